@@ -1,0 +1,263 @@
+"""ExtentAllocator (ssdtrain/store/allocator.py) and the filesystem helpers (ssdtrain/store/_fs.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+
+from ssdtrain.store import _fs
+from ssdtrain.store.allocator import ExtentAllocator
+
+
+A = 4096
+
+
+def test_rounds_up_and_aligns():
+    a = ExtentAllocator()
+    assert a.allocate(1) == (0, A)
+    assert a.allocate(A) == (A, A)
+    assert a.allocate(A + 1) == (2 * A, 2 * A)
+    assert a.end == 4 * A and a.used_bytes == 4 * A and a.free_bytes == 0
+
+
+def test_reuses_freed_space_before_growing():
+    a = ExtentAllocator()
+    x = a.allocate(3 * A)
+    y = a.allocate(A)
+    assert a.free(*x) == [x]
+    assert a.free_bytes == 3 * A
+    # best fit: the hole is reused, split, and the end does not move
+    assert a.allocate(A) == (0, A)
+    assert a.allocate(2 * A) == (A, 2 * A)
+    assert a.end == 4 * A and a.free_bytes == 0
+    assert y == (3 * A, A)
+
+
+def test_best_fit_prefers_the_smallest_hole():
+    a = ExtentAllocator()
+    big, _, small, _ = a.allocate(4 * A), a.allocate(A), a.allocate(2 * A), a.allocate(A)
+    a.free(*big)
+    a.free(*small)
+    assert a.allocate(2 * A) == small
+
+
+def test_coalesces_and_shrinks_end():
+    a = ExtentAllocator()
+    xs = [a.allocate(A) for _ in range(4)]
+    a.free(*xs[1])
+    a.free(*xs[2])
+    assert a.free_ranges() == [(A, 2 * A)]
+    a.free(*xs[3])  # top range touches the end: end falls back to the first live extent
+    assert a.end == A and a.free_ranges() == []
+    a.free(*xs[0])
+    assert a.end == 0 and a.used_bytes == 0 and a.free_bytes == 0
+
+
+def test_free_accepts_the_requested_nbytes():
+    a = ExtentAllocator()
+    off, length = a.allocate(100)
+    assert a.free(off, 100) == [(off, length)]
+
+
+def test_zero_bytes_occupy_nothing():
+    a = ExtentAllocator()
+    assert a.allocate(0) == (0, 0)
+    assert a.free(0, 0) == []
+    assert a.end == 0
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "1"])
+def test_bad_sizes_are_refused(bad):
+    with pytest.raises(ValueError, match="nbytes"):
+        ExtentAllocator().allocate(bad)
+
+
+@pytest.mark.parametrize("bad", [0, 3, 4095, -4096, 1.0])
+def test_bad_alignment_is_refused(bad):
+    with pytest.raises(ValueError, match="alignment"):
+        ExtentAllocator(bad)
+
+
+def test_misuse_raises_value_error():
+    a = ExtentAllocator()
+    x = a.allocate(2 * A)
+    with pytest.raises(ValueError, match="never allocated"):
+        a.free(A, A)  # inside an extent, but not one
+    with pytest.raises(ValueError, match="allocated with length"):
+        a.free(x[0], A)
+    a.free(*x)
+    with pytest.raises(ValueError, match="already free"):
+        a.free(*x)
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    """Random allocate/free sequences against a model of which bytes are live."""
+
+    extents = Bundle("extents")
+
+    def __init__(self):
+        super().__init__()
+        self.align = A
+        self.a = ExtentAllocator(self.align)
+        self.live: dict[int, int] = {}
+
+    @rule(target=extents, nbytes=st.integers(0, 64 * A))
+    def allocate(self, nbytes):
+        off, length = self.a.allocate(nbytes)
+        assert length == -(-nbytes // self.align) * self.align
+        assert off % self.align == 0
+        if length:
+            for o, n in self.live.items():
+                assert off + length <= o or o + n <= off, "overlap"
+            self.live[off] = length
+        return (off, length)
+
+    @rule(ext=consumes(extents))
+    def free(self, ext):
+        off, length = ext
+        punched = self.a.free(off, length)
+        if length:
+            del self.live[off]
+            assert punched == [(off, length)]
+        else:
+            assert punched == []
+
+    @rule(nbytes=st.integers(1, 16 * A))
+    def double_free_is_refused(self, nbytes):
+        off, length = self.a.allocate(nbytes)
+        self.a.free(off, length)
+        with pytest.raises(ValueError):
+            self.a.free(off, length)
+
+    @rule(nbytes=st.integers(1, 16 * A))
+    def freed_space_is_reused(self, nbytes):
+        # Any request no larger than a free hole must not grow the end.
+        length = -(-nbytes // self.align) * self.align
+        fits = any(n >= length for _, n in self.a.free_ranges())
+        end = self.a.end
+        off, length = self.a.allocate(nbytes)
+        if fits:
+            assert self.a.end == end and off + length <= end
+        self.a.free(off, length)
+
+    @invariant()
+    def accounting(self):
+        a = self.a
+        assert a.used_bytes == sum(self.live.values())
+        assert a.used_bytes + a.free_bytes == a.end
+        ranges = a.free_ranges()
+        for (o1, n1), (o2, _) in zip(ranges, ranges[1:]):
+            assert o1 + n1 < o2, "free ranges must be coalesced"
+        if ranges:
+            assert ranges[-1][0] + ranges[-1][1] < a.end, "a free range touching the end must shrink it"
+        top = max((o + n for o, n in self.live.items()), default=0)
+        assert a.end == top
+
+    def teardown(self):
+        for off, length in list(self.live.items()):
+            self.a.free(off, length)
+        assert self.a.end == 0 and self.a.used_bytes == 0 and self.a.free_bytes == 0
+
+
+AllocatorMachine.TestCase.settings = settings(deadline=None, max_examples=40, stateful_step_count=40)
+TestAllocatorMachine = AllocatorMachine.TestCase
+
+
+# --- filesystem helpers ----------------------------------------------------------------------
+
+def _blocks(path) -> int:
+    return os.stat(path).st_blocks
+
+
+def test_punch_hole_frees_blocks(tmp_path):
+    p = tmp_path / "arena"
+    size = 64 * A
+    with open(p, "wb") as f:
+        f.write(os.urandom(size))
+        f.flush()
+        os.fsync(f.fileno())
+    before = _blocks(p)
+    fd = os.open(p, os.O_RDWR)
+    try:
+        ok = _fs.punch_hole(fd, 16 * A, 32 * A)
+    finally:
+        os.close(fd)
+    if not ok:
+        pytest.skip(f"{_fs.fs_type(tmp_path)} cannot punch holes")
+    assert os.path.getsize(p) == size  # KEEP_SIZE
+    assert _blocks(p) <= before - (32 * A) // 512
+    data = p.read_bytes()
+    assert data[16 * A:48 * A] == bytes(32 * A)
+
+
+def test_punch_hole_zero_length_is_a_no_op(tmp_path):
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        assert _fs.punch_hole(fd, 0, 0) is True
+    finally:
+        os.close(fd)
+
+
+def test_punch_hole_bad_fd_raises():
+    with pytest.raises(OSError):
+        _fs.punch_hole(-1, 0, A)
+
+
+def test_fs_type_longest_mount_point_wins(tmp_path):
+    info = tmp_path / "mountinfo"
+    info.write_text(
+        "27 1 254:0 / / rw - ext4 /dev/vda rw\n"
+        "40 27 0:50 / /mnt/data rw - xfs /dev/nvme0n1 rw\n"
+        "41 40 0:51 / /mnt/data/my\\040share rw - nfs4 srv:/x rw\n"
+        "42 27 0:52 / /mnt/data2 rw - tmpfs tmpfs rw\n"
+        "43 40 0:53 / /mnt/data rw - btrfs /dev/nvme1n1 rw\n"
+    )
+    lines = info.read_text().splitlines()
+    assert _fs._match_mount("/mnt/data/x/y", lines)[1] == "btrfs"  # a later mount on top wins
+    assert _fs._match_mount("/mnt/data/my share/z", lines)[1] == "nfs4"
+    assert _fs._match_mount("/mnt/data2", lines)[1] == "tmpfs"
+    assert _fs._match_mount("/mnt/data22", lines)[1] == "ext4"  # a name prefix is not a parent
+    assert _fs._mount_of(tmp_path, str(tmp_path / "missing"))[1] == "unknown"
+
+
+def test_fs_type_on_this_machine(tmp_path):
+    assert _fs.fs_type(tmp_path) not in ("", None)
+    assert _fs.fs_type(tmp_path / "not" / "yet") == _fs.fs_type(tmp_path)
+    if os.path.isdir("/dev/shm") and _fs.fs_type("/dev/shm") == "tmpfs":
+        assert _fs.is_ram_backed("/dev/shm")
+        assert not _fs.is_network_fs("/dev/shm")
+
+
+def test_direct_io_probe_leaves_nothing(tmp_path):
+    result = _fs.direct_io_supported(tmp_path)
+    assert isinstance(result, bool)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_direct_io_probe_missing_dir_raises(tmp_path):
+    with pytest.raises(OSError):
+        _fs.direct_io_supported(tmp_path / "missing")
+
+
+def test_sizes(tmp_path):
+    assert 0 <= _fs.free_bytes(tmp_path) <= _fs.total_bytes(tmp_path)
+    assert _fs.total_bytes(tmp_path) > 0
+
+
+def test_aligned_buffer_is_page_aligned():
+    import ctypes
+    import mmap
+
+    buf = _fs.aligned_buffer(10)
+    try:
+        assert len(buf) == mmap.PAGESIZE
+        c = ctypes.c_char.from_buffer(buf)
+        addr = ctypes.addressof(c)
+        del c
+        assert addr % mmap.PAGESIZE == 0
+    finally:
+        buf.close()
