@@ -1,0 +1,196 @@
+"""A small GPT-style decoder in plain PyTorch, the model ``ssdtrain bench`` trains.
+
+It is deliberately ordinary: pre-LayerNorm blocks with causal self-attention and a 4h GELU MLP,
+a tied LM head. The blocks sit in an ``nn.ModuleList`` named ``blocks`` so that the offloader's
+layer scopes (and ``torch.utils.checkpoint`` per block for the ``recompute`` mode) find them.
+
+Example::
+
+    from ssdtrain.models import GPT, GPTConfig, preset
+    model = GPT(preset("quick"))
+    loss = model(tokens, targets)   # tokens, targets: int64 (batch, seq)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["GPT", "GPTConfig", "PRESETS", "preset"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    """Shape of the decoder."""
+
+    vocab: int = 8192
+    """Vocabulary size (token ids are ``0 .. vocab-1``)."""
+    seq: int = 512
+    """Longest sequence the position embedding covers."""
+    layers: int = 8
+    """Number of transformer blocks."""
+    hidden: int = 512
+    """Model width ``h``."""
+    heads: int = 8
+    """Attention heads ``a``; must divide ``hidden``."""
+    dropout: float = 0.0
+    """Dropout probability on attention weights and residual branches (0 adds no mask saves)."""
+    flash: bool = True
+    """``True``: ``F.scaled_dot_product_attention`` (no s×s tensor saved on the CPU flash kernel);
+    ``False``: naive softmax attention that materialises and saves the s×s scores."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab", "seq", "layers", "hidden", "heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+        if self.hidden % self.heads:
+            raise ValueError(
+                f"GPTConfig.hidden ({self.hidden}) must be divisible by heads ({self.heads})"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
+
+    def replace(self, **changes) -> "GPTConfig":
+        """A copy with ``changes`` applied (``None`` values are ignored)."""
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+PRESETS: dict[str, GPTConfig] = {
+    # Tiny: a whole `ssdtrain bench --quick` (three modes, a few steps each) in seconds.
+    "quick": GPTConfig(vocab=512, seq=128, layers=4, hidden=128, heads=4),
+    # A step (batch 8) takes a few seconds on 2 CPU cores; activations dwarf the weights.
+    "default": GPTConfig(vocab=8192, seq=512, layers=8, hidden=512, heads=8),
+}
+
+
+def preset(name: str) -> GPTConfig:
+    """The named preset (``quick`` or ``default``)."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}") from None
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with one fused QKV projection."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.heads = cfg.heads
+        self.flash = cfg.flash
+        self.dropout = cfg.dropout
+        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
+        self.proj = nn.Linear(cfg.hidden, cfg.hidden)
+        if not cfg.flash:
+            mask = torch.ones(cfg.seq, cfg.seq, dtype=torch.bool).tril()
+            self.register_buffer("causal_mask", mask, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).split(h, dim=2)
+        # (b, s, a, d) -> (b, a, s, d); views of the one qkv storage.
+        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
+        p = self.dropout if self.training else 0.0
+        if self.flash:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        else:
+            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
+            scores = scores.masked_fill(~self.causal_mask[:s, :s], float("-inf"))
+            att = F.softmax(scores, dim=-1)
+            if p:
+                att = F.dropout(att, p, training=True)
+            y = att @ v
+        # The CPU flash kernel returns a transposed view of a (b, s, a, d) buffer, so this
+        # reshape is free there and the projection's saved input shares the kernel's output.
+        y = y.transpose(1, 2).reshape(b, s, h)
+        y = self.proj(y)
+        if p:
+            y = F.dropout(y, p, training=True)
+        return y
+
+
+class MLP(nn.Module):
+    """``h -> 4h -> GELU -> h``."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.hidden, 4 * cfg.hidden)
+        self.proj = nn.Linear(4 * cfg.hidden, cfg.hidden)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.proj(F.gelu(self.fc(x)))
+        if self.dropout and self.training:
+            y = F.dropout(y, self.dropout, training=True)
+        return y
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block with residual connections."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.hidden)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.hidden)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """GPT-style decoder: token + position embeddings, ``blocks``, final LayerNorm, tied head.
+
+    Set ``model.recompute = True`` to run each block under ``torch.utils.checkpoint``
+    (``use_reentrant=False``) while training: the block's activations are recomputed in
+    backward instead of saved.
+    """
+
+    def __init__(self, cfg: GPTConfig | None = None, *, recompute: bool = False) -> None:
+        super().__init__()
+        self.cfg = cfg or GPTConfig()
+        self.recompute = recompute
+        self.tok_emb = nn.Embedding(self.cfg.vocab, self.cfg.hidden)
+        self.pos_emb = nn.Embedding(self.cfg.seq, self.cfg.hidden)
+        self.blocks = nn.ModuleList(Block(self.cfg) for _ in range(self.cfg.layers))
+        self.ln_f = nn.LayerNorm(self.cfg.hidden)
+        self.head = nn.Linear(self.cfg.hidden, self.cfg.vocab, bias=False)
+        self.head.weight = self.tok_emb.weight
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def num_params(self) -> int:
+        """Number of parameters (the tied head counted once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``(batch, seq, vocab)``, or the mean cross-entropy loss if ``targets`` given."""
+        b, s = tokens.shape
+        if s > self.cfg.seq:
+            raise ValueError(f"sequence length {s} exceeds the model's seq={self.cfg.seq}")
+        pos = torch.arange(s, device=tokens.device)
+        x = self.tok_emb(tokens) + self.pos_emb(pos)
+        for block in self.blocks:
+            if self.recompute and self.training and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.reshape(b * s, -1).float(), targets.reshape(b * s))
