@@ -1,0 +1,5 @@
+import sys
+
+from ssdtrain.cli import main
+
+sys.exit(main())

@@ -1,0 +1,106 @@
+"""Counters of an offloader, and the snapshot users read (:class:`OffloadStats`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+__all__ = ["OffloadStats", "Counters"]
+
+
+@dataclasses.dataclass
+class OffloadStats:
+    """A snapshot of what an :class:`~ssdtrain.Offloader` did since it was created.
+
+    Bytes are payload bytes of saved activations (parameters and buffers never count).
+    """
+
+    backend: str = ""
+    """Which backend ``auto`` chose, with its paths and whether O_DIRECT is on."""
+    saved_bytes: int = 0
+    """All activation bytes that reached pack, a repeated save counted each time."""
+    unique_bytes: int = 0
+    """Bytes of distinct storages among them (what dedup leaves)."""
+    written_bytes: int = 0
+    """Bytes written to storage."""
+    read_bytes: int = 0
+    """Bytes read back from storage."""
+    kept_bytes: int = 0
+    """Bytes never written: below ``min_bytes``, in the last ``keep_last_layers`` blocks, kept
+    under backpressure (``when_full="keep"``) or after a failed write (``on_error="keep"``)."""
+    forwarded_bytes: int = 0
+    """Bytes handed back to backward from memory with no read (their write cancelled or done)."""
+    adaptive_keep_bytes: int = 0
+    """Of those, bytes whose write was still queued when backward began, and was cancelled."""
+    cancelled_writes: int = 0
+    peak_resident_bytes: int = 0
+    """Peak bytes of saved activations held in memory by the offloader and autograd."""
+    resident_bytes: int = 0
+    """The same, now."""
+    stall_seconds: float = 0.0
+    """Time compute waited on I/O: reads not done when needed, plus backpressure waits."""
+    read_stall_seconds: float = 0.0
+    backpressure_stall_seconds: float = 0.0
+    backpressure_waits: int = 0
+    """Packs that waited because ``max_inflight_bytes`` were queued (``when_full="wait"``)."""
+    backpressure_keeps: int = 0
+    """Packs that kept their tensor in memory for the same reason (``when_full="keep"``)."""
+    writes: int = 0
+    reads: int = 0
+    prefetch_hits: int = 0
+    """Unpacks of offloaded tensors whose read had completed before they were needed."""
+    prefetch_misses: int = 0
+    """Unpacks that had to wait for (or issue) their read."""
+    failed_writes: int = 0
+    failed_reads: int = 0
+    live_entries: int = 0
+    """Distinct storages currently referenced by saved tensors."""
+    live_disk_bytes: int = 0
+    """Bytes of extents on storage still referenced (0 once every graph is gone)."""
+    written_bytes_by_path: dict[str, int] = dataclasses.field(default_factory=dict)
+    microbatches: dict[Any, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    """Per micro-batch id: the same counters, for that micro-batch's saves."""
+    endurance: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Drive-writes-per-day projection per path (see ``ssdtrain.endurance``)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def prefetch_hit_rate(self) -> float:
+        total = self.prefetch_hits + self.prefetch_misses
+        return self.prefetch_hits / total if total else 1.0
+
+
+_SCOPE_FIELDS = ("saved_bytes", "unique_bytes", "written_bytes", "read_bytes", "kept_bytes", "forwarded_bytes",
+                 "adaptive_keep_bytes", "stall_seconds", "prefetch_hits", "prefetch_misses")
+
+
+class Counters:
+    """The mutable side: updated under the offloader's lock, copied into :class:`OffloadStats`."""
+
+    def __init__(self) -> None:
+        self.total = OffloadStats()
+        self.per_scope: dict[Any, dict[str, Any]] = {}
+        self.timeline: list[tuple[float, int]] | None = None
+
+    def add(self, scope_id: Any, field: str, amount: float) -> None:
+        setattr(self.total, field, getattr(self.total, field) + amount)
+        if field in _SCOPE_FIELDS and scope_id is not None:
+            per = self.per_scope.setdefault(scope_id, dict.fromkeys(_SCOPE_FIELDS, 0))
+            per[field] += amount
+
+    def resident(self, delta: int) -> None:
+        t = self.total
+        t.resident_bytes += delta
+        assert t.resident_bytes >= 0, "resident byte count went negative"
+        if t.resident_bytes > t.peak_resident_bytes:
+            t.peak_resident_bytes = t.resident_bytes
+        if self.timeline is not None:
+            self.timeline.append((time.perf_counter(), t.resident_bytes))
+
+    def snapshot(self) -> OffloadStats:
+        snap = dataclasses.replace(self.total)
+        snap.microbatches = {k: dict(v) for k, v in self.per_scope.items()}
+        return snap

@@ -1,0 +1,57 @@
+"""Small helpers shared by the backends: raw byte views of tensors, joining chunk futures."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from concurrent.futures import Future
+
+import torch
+
+
+def host_view(t: torch.Tensor, start: int, n: int) -> memoryview:
+    """A writable memoryview of ``n`` bytes of a CPU tensor's memory, from byte ``start``.
+
+    The caller keeps ``t`` alive while the view is used (it does not hold a reference).
+    """
+    assert t.device.type == "cpu", "host_view needs host memory"
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr() + start)).cast("B")
+
+
+def capacity(t: torch.Tensor) -> int:
+    """Bytes of the storage available from ``t``'s first byte on (room for padded direct I/O)."""
+    return t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()
+
+
+def gather(futures: list[Future]) -> Future:
+    """A future that completes when every one of ``futures`` has: with their results, or with
+    the first exception. It never completes while a chunk is still in flight, so an extent is
+    not freed (and reused) under a late write."""
+    out: Future = Future()
+    out.set_running_or_notify_cancel()
+    if not futures:
+        out.set_result([])
+        return out
+    results: list = [None] * len(futures)
+    errors: list[BaseException] = []
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def done(i: int, f: Future) -> None:
+        exc = f.exception()
+        with lock:
+            if exc is not None:
+                errors.append(exc)
+            else:
+                results[i] = f.result()
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            if errors:
+                out.set_exception(errors[0])
+            else:
+                out.set_result(results)
+
+    for i, f in enumerate(futures):
+        f.add_done_callback(lambda f, i=i: done(i, f))
+    return out

@@ -1,0 +1,77 @@
+"""Host RAM as the store: for tests, and for GPU users without NVMe (activations go to host)."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import zlib
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from ssdtrain import device
+from ssdtrain.config import OffloadConfig
+from ssdtrain.store._mem import host_view
+from ssdtrain.store.base import Backend, ChecksumError, Extent
+
+
+class MemoryBackend(Backend):
+    """Copies tensors into host memory (pinned for CUDA tensors) on I/O threads."""
+
+    name = "memory"
+
+    def __init__(self, cfg: OffloadConfig) -> None:
+        self._ids = itertools.count()
+        self._blobs: dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="ssdtrain-mem")
+        self._written = 0
+        self._closed = False
+
+    def allocate(self, nbytes: int) -> Extent:
+        return Extent(0, next(self._ids), nbytes, nbytes)
+
+    def free(self, extent: Extent) -> None:
+        with self._lock:
+            self._blobs.pop(extent.offset, None)
+
+    def submit_write(self, extent: Extent, src: torch.Tensor, *, checksum: bool = False,
+                     ready: Callable[[], None] | None = None) -> Future:
+        def work() -> int | None:
+            if ready is not None:
+                ready()
+            if device.is_cuda(src):
+                blob = device.pinned_empty(extent.nbytes)
+                device.copy_on_side_stream(blob, src)
+            else:
+                blob = src.clone()
+            with self._lock:
+                self._blobs[extent.offset] = blob
+                self._written += extent.nbytes
+            return zlib.crc32(host_view(blob, 0, extent.nbytes)) if checksum else None
+        return self._pool.submit(work)
+
+    def submit_read(self, extent: Extent, dst: torch.Tensor, *, checksum: object = None,
+                    ready: Callable[[], None] | None = None) -> Future:
+        def work() -> None:
+            if ready is not None:
+                ready()
+            with self._lock:
+                blob = self._blobs[extent.offset]
+            if checksum is not None and zlib.crc32(host_view(blob, 0, extent.nbytes)) != checksum:
+                raise ChecksumError(5, f"checksum mismatch reading {extent.nbytes} bytes from host memory")
+            if device.is_cuda(dst):
+                device.copy_on_side_stream(dst, blob)
+            else:
+                dst.copy_(blob)
+        return self._pool.submit(work)
+
+    def written_bytes_by_path(self) -> dict[str, int]:
+        return {"<memory>": self._written}
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._pool.shutdown(wait=True)
+            self._blobs.clear()
