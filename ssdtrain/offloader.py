@@ -255,9 +255,9 @@ class Offloader:
             return True  # parameters (nn.Parameter), tensor subclasses, sparse, inference tensors
         if t.device.type not in ("cpu", "cuda") or t.numel() == 0:
             return True
-        if t.requires_grad and t.is_leaf:
-            return True  # a leaf that wants gradients lives anyway (a parameter in all but name)
         base = t._base
+        if t.requires_grad and t.is_leaf and base is None:
+            return True  # a leaf that wants gradients lives anyway (a parameter in all but name)
         if base is not None and (type(base) is not torch.Tensor or (base.requires_grad and base.is_leaf)):
             return True  # a view of a parameter (e.g. weight.t() saved by mm)
         try:
