@@ -70,7 +70,7 @@ class Offloader:
     def __init__(self, model: nn.Module | None = None, config: OffloadConfig | Mapping | None = None,
                  **overrides: Any) -> None:
         if config is None:
-            config = OffloadConfig(**overrides)
+            config = OffloadConfig.from_dict(overrides)
         else:
             if isinstance(config, Mapping):
                 config = OffloadConfig.from_dict(config)
