@@ -94,6 +94,77 @@ def test_misuse_raises_value_error():
         a.free(*x)
 
 
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_untrimmed_space_is_tracked_and_cleared_by_reuse():
+    clock = FakeClock()
+    a = ExtentAllocator(clock=clock)
+    x, y, z = a.allocate(4 * A), a.allocate(A), a.allocate(A)
+    a.free(*x)
+    assert a.untrimmed_bytes == 4 * A
+    a.allocate(2 * A)  # reuses (and will overwrite) the first half
+    assert a.untrimmed_bytes == 2 * A
+    a.free(*y, trimmed=True)  # the caller punched it itself
+    assert a.untrimmed_bytes == 2 * A
+
+
+def test_begin_trim_reserves_only_space_that_stayed_free():
+    clock = FakeClock()
+    a = ExtentAllocator(clock=clock)
+    x, y, z = a.allocate(4 * A), a.allocate(A), a.allocate(2 * A)
+    a.free(*x)
+    clock.t = 10
+    a.free(*z)  # freed later; touches the end, so end shrinks to 5 A
+    assert a.end == 5 * A
+    assert not a.trim_due(min_age=20) and a.trim_due(min_age=5)
+    assert a.begin_trim(min_age=5) == [(0, 4 * A)]
+    # reserved: nothing can land there while it is being punched; the end grows instead,
+    # over z's old place, which then needs no punch (it is overwritten)
+    assert a.allocate(A) == (5 * A, A)
+    clock.t = 30
+    got = a.begin_trim(min_age=15)
+    assert got == [(6 * A, A)]
+    assert a.untrimmed_bytes == 0
+    a.end_trim([(0, 4 * A)])
+    a.end_trim(got)
+    with pytest.raises(ValueError, match="end_trim"):
+        a.end_trim(got)
+
+
+def test_trim_above_end_then_everything_freed():
+    clock = FakeClock()
+    a = ExtentAllocator(clock=clock)
+    xs = [a.allocate(A) for _ in range(3)]
+    for x in xs:
+        a.free(*x)
+    assert a.end == 0 and a.untrimmed_bytes == 3 * A
+    got = a.begin_trim()
+    assert got == [(0, 3 * A)] and a.end == 3 * A and a.used_bytes == 3 * A
+    assert a.allocate(A) == (3 * A, A)  # grows past the reserved range
+    with pytest.raises(ValueError):
+        a.free(0, 3 * A)  # reserved ranges go back through end_trim only
+    a.end_trim(got)
+    a.free(3 * A, A)
+    assert a.end == 0 and a.used_bytes == 0 and a.free_bytes == 0
+
+
+def test_begin_trim_max_bytes():
+    clock = FakeClock()
+    a = ExtentAllocator(clock=clock)
+    xs = [a.allocate(A) for _ in range(5)]
+    a.free(*xs[0])
+    a.free(*xs[2])
+    a.free(*xs[4])
+    assert a.begin_trim(max_bytes=A) == [(0, A)]
+    assert a.untrimmed_bytes == 2 * A
+
+
 class AllocatorMachine(RuleBasedStateMachine):
     """Random allocate/free sequences against a model of which bytes are live."""
 
@@ -102,8 +173,10 @@ class AllocatorMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.align = A
-        self.a = ExtentAllocator(self.align)
+        self.clock = FakeClock()
+        self.a = ExtentAllocator(self.align, clock=self.clock)
         self.live: dict[int, int] = {}
+        self.trimming: list[tuple[int, int]] = []
 
     @rule(target=extents, nbytes=st.integers(0, 64 * A))
     def allocate(self, nbytes):
@@ -111,10 +184,25 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert length == -(-nbytes // self.align) * self.align
         assert off % self.align == 0
         if length:
-            for o, n in self.live.items():
+            for o, n in [*self.live.items(), *self.trimming]:
                 assert off + length <= o or o + n <= off, "overlap"
             self.live[off] = length
         return (off, length)
+
+    @rule(dt=st.floats(0, 5), min_age=st.floats(0, 5), max_bytes=st.none() | st.integers(A, 32 * A))
+    def begin_trim(self, dt, min_age, max_bytes):
+        self.clock.t += dt
+        got = self.a.begin_trim(min_age=min_age, max_bytes=max_bytes)
+        for off, length in got:
+            assert off % self.align == 0 and length % self.align == 0 and length > 0
+            for o, n in [*self.live.items(), *self.trimming]:
+                assert off + length <= o or o + n <= off, "trim range overlaps live data"
+        self.trimming += got
+
+    @rule()
+    def end_trim(self):
+        self.a.end_trim(self.trimming)
+        self.trimming = []
 
     @rule(ext=consumes(extents))
     def free(self, ext):
@@ -147,17 +235,22 @@ class AllocatorMachine(RuleBasedStateMachine):
     @invariant()
     def accounting(self):
         a = self.a
-        assert a.used_bytes == sum(self.live.values())
+        assert a.used_bytes == sum(self.live.values()) + sum(n for _, n in self.trimming)
         assert a.used_bytes + a.free_bytes == a.end
         ranges = a.free_ranges()
         for (o1, n1), (o2, _) in zip(ranges, ranges[1:]):
             assert o1 + n1 < o2, "free ranges must be coalesced"
         if ranges:
             assert ranges[-1][0] + ranges[-1][1] < a.end, "a free range touching the end must shrink it"
-        top = max((o + n for o, n in self.live.items()), default=0)
+        top = max((o + n for o, n in [*self.live.items(), *self.trimming]), default=0)
         assert a.end == top
+        # untrimmed bytes are free bytes (below end or above it), never live ones
+        for o, n, _ in a._dirty.items():
+            for lo, ln in self.live.items():
+                assert o + n <= lo or lo + ln <= o, "live extent counted as untrimmed"
 
     def teardown(self):
+        self.a.end_trim(self.trimming)
         for off, length in list(self.live.items()):
             self.a.free(off, length)
         assert self.a.end == 0 and self.a.used_bytes == 0 and self.a.free_bytes == 0

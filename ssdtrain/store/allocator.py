@@ -8,11 +8,24 @@ Policy: best fit among the free ranges below ``end`` (the smallest range that is
 lowest offset on ties), else grow ``end``. Freed ranges coalesce with their free neighbours; a
 free range that reaches ``end`` is dropped and ``end`` shrinks, so an arena whose extents are all
 freed has ``end == 0`` again.
+
+Note [trim what stays free]
+Punching a hole costs far more than its syscall suggests: the filesystem first waits for every
+direct I/O in flight on the file (``inode_dio_wait``) and blocks new ones meanwhile, a
+``discard`` mount sends the trim to the drive at once, and the next write into the hole must
+allocate blocks again (slower than an overwrite). Training frees and reuses the same space every
+step, where a punch buys nothing: an overwrite invalidates the old flash pages anyway. So the
+allocator also remembers which freed bytes have not been punched yet ("untrimmed"); reusing them
+clears that, and :meth:`begin_trim` hands out only what has *stayed* free for a while, reserved
+so that no extent can land there while the caller punches it off the critical path;
+:meth:`end_trim` returns it. Callers that prefer to punch at once can use :meth:`free`'s result.
 """
 
 from __future__ import annotations
 
 import bisect
+import time
+from collections.abc import Callable, Iterable
 
 __all__ = ["ExtentAllocator"]
 
@@ -28,9 +41,10 @@ class ExtentAllocator:
 
     Args:
         alignment: every offset and length is a multiple of this (a power of two, >= 1).
+        clock: seconds, for the age of untrimmed ranges (tests pass a fake one).
     """
 
-    def __init__(self, alignment: int = 4096) -> None:
+    def __init__(self, alignment: int = 4096, *, clock: Callable[[], float] = time.monotonic) -> None:
         if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
             raise ValueError(f"alignment={alignment!r} must be a power of two >= 1 (e.g. 4096)")
         self._align = alignment
@@ -40,6 +54,9 @@ class ExtentAllocator:
         self._free_starts: list[int] = []  # sorted offsets of free ranges below end
         self._free_len: dict[int, int] = {}  # offset -> length of each free range
         self._free_total = 0
+        self._clock = clock
+        self._dirty = _RangeSet()  # freed, not reused, not punched: offset -> (length, freed at)
+        self._trimming: set[int] = set()  # offsets of ranges reserved by begin_trim
 
     @property
     def alignment(self) -> int:
@@ -94,12 +111,15 @@ class ExtentAllocator:
                 self._insert_free(best + length, best_len - length)
         self._allocated[offset] = length
         self._used += length
+        self._dirty.remove(offset, length)  # about to be overwritten: no punch needed
         return (offset, length)
 
-    def free(self, offset: int, length: int) -> list[tuple[int, int]]:
+    def free(self, offset: int, length: int, *, trimmed: bool = False) -> list[tuple[int, int]]:
         """Gives back an extent returned by :meth:`allocate`.
 
-        ``length`` may be the aligned length or the ``nbytes`` originally asked for.
+        ``length`` may be the aligned length or the ``nbytes`` originally asked for. Pass
+        ``trimmed=True`` when the caller punches the returned ranges itself (now or before any
+        reuse); otherwise they count as untrimmed (Note [trim what stays free]).
 
         Returns:
             The ``(offset, length)`` ranges that became free and may be hole-punched.
@@ -111,12 +131,77 @@ class ExtentAllocator:
             return []
         aligned = -(-length // self._align) * self._align if length > 0 else length
         have = self._allocated.get(offset)
+        if offset in self._trimming:
+            have = None  # reserved by begin_trim: only end_trim gives it back
         if have is None or have != aligned:
             if have is None:
                 why = "was never allocated or is already free"
             else:
                 why = f"was allocated with length {have}"
             raise ValueError(f"cannot free extent (offset={offset}, length={length}): it {why}")
+        self._release(offset, have)
+        if not trimmed:
+            self._dirty.add(offset, have, self._clock())
+        return [(offset, have)]
+
+    @property
+    def untrimmed_bytes(self) -> int:
+        """Freed bytes not reused and not yet handed out by :meth:`begin_trim` (nor punched)."""
+        return self._dirty.total
+
+    def trim_due(self, min_age: float = 0.0) -> bool:
+        """Whether some untrimmed range has stayed free for at least ``min_age`` seconds."""
+        return self._dirty.oldest(self._clock()) >= min_age if self._dirty.total else False
+
+    def begin_trim(self, min_age: float = 0.0, max_bytes: int | None = None) -> list[tuple[int, int]]:
+        """Reserves the untrimmed ranges freed at least ``min_age`` seconds ago, for punching.
+
+        Until :meth:`end_trim`, no allocation can overlap them (they count in ``used_bytes``),
+        so the caller can punch without holding its lock. Ranges above ``end`` raise ``end``.
+
+        Args:
+            min_age: only ranges that stayed free this long (space the workload does not reuse).
+            max_bytes: stop after about this many bytes (a range is never split).
+
+        Returns:
+            The reserved ``(offset, length)`` ranges, coalesced, in offset order.
+        """
+        picked = self._dirty.take(self._clock() - min_age, max_bytes)
+        for off, length in picked:
+            self._reserve(off, length)
+            self._trimming.add(off)
+        return picked
+
+    def end_trim(self, ranges: Iterable[tuple[int, int]]) -> None:
+        """Returns ranges from :meth:`begin_trim` (punched or not) to the free space."""
+        for off, length in ranges:
+            if off not in self._trimming or self._allocated.get(off) != length:
+                raise ValueError(f"end_trim({off}, {length}): not a range reserved by begin_trim")
+            self._trimming.discard(off)
+            self._release(off, length)
+
+    def _reserve(self, off: int, length: int) -> None:
+        """Marks ``[off, off + length)`` -- free space, or above ``end`` -- as allocated."""
+        stop = off + length
+        if off >= self._end:
+            if off > self._end:
+                self._insert_free(self._end, off - self._end)
+            self._end = stop
+        else:
+            i = bisect.bisect_right(self._free_starts, off) - 1
+            start = self._free_starts[i] if i >= 0 else -1
+            flen = self._free_len.get(start, 0)
+            if start < 0 or stop > start + flen:
+                raise ValueError(f"range ({off}, {length}) is not free")
+            self._remove_free(start)
+            if start < off:
+                self._insert_free(start, off - start)
+            if stop < start + flen:
+                self._insert_free(stop, start + flen - stop)
+        self._allocated[off] = length
+        self._used += length
+
+    def _release(self, offset: int, have: int) -> None:
         del self._allocated[offset]
         self._used -= have
 
@@ -135,7 +220,6 @@ class ExtentAllocator:
             self._end = start
         else:
             self._insert_free(start, stop - start)
-        return [(offset, have)]
 
     def _insert_free(self, start: int, length: int) -> None:
         bisect.insort(self._free_starts, start)
@@ -150,5 +234,81 @@ class ExtentAllocator:
     def __repr__(self) -> str:
         return (
             f"ExtentAllocator(end={self._end}, used={self._used}, free={self._free_total}, "
-            f"extents={len(self._allocated)}, holes={len(self._free_starts)})"
+            f"extents={len(self._allocated)}, holes={len(self._free_starts)}, "
+            f"untrimmed={self._dirty.total})"
         )
+
+
+class _RangeSet:
+    """Disjoint byte ranges, each with the time it was added; adjacent ranges merge (newest time)."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._ranges: dict[int, tuple[int, float]] = {}  # start -> (length, time)
+        self.total = 0
+
+    def items(self) -> list[tuple[int, int, float]]:
+        return [(s, *self._ranges[s]) for s in self._starts]
+
+    def _put(self, start: int, length: int, t: float) -> None:
+        bisect.insort(self._starts, start)
+        self._ranges[start] = (length, t)
+        self.total += length
+
+    def _pop(self, start: int) -> tuple[int, float]:
+        del self._starts[bisect.bisect_left(self._starts, start)]
+        length, t = self._ranges.pop(start)
+        self.total -= length
+        return length, t
+
+    def add(self, start: int, length: int, t: float) -> None:
+        stop = start + length
+        i = bisect.bisect_left(self._starts, start)
+        if i > 0:
+            prev = self._starts[i - 1]
+            plen, pt = self._ranges[prev]
+            if prev + plen >= start:
+                self._pop(prev)
+                start, stop, t = prev, max(stop, prev + plen), max(t, pt)
+        while True:
+            i = bisect.bisect_left(self._starts, start)
+            if i >= len(self._starts) or self._starts[i] > stop:
+                break
+            nxt = self._starts[i]
+            nlen, nt = self._pop(nxt)
+            stop, t = max(stop, nxt + nlen), max(t, nt)
+        self._put(start, stop - start, t)
+
+    def remove(self, start: int, length: int) -> None:
+        if not self.total:
+            return
+        stop = start + length
+        i = max(bisect.bisect_right(self._starts, start) - 1, 0)
+        while i < len(self._starts) and self._starts[i] < stop:
+            s = self._starts[i]
+            slen, t = self._ranges[s]
+            if s + slen <= start:
+                i += 1
+                continue
+            self._pop(s)
+            if s < start:
+                self._put(s, start - s, t)
+                i += 1
+            if s + slen > stop:
+                self._put(stop, s + slen - stop, t)
+                break
+
+    def oldest(self, now: float) -> float:
+        return max(now - t for _, t in self._ranges.values())
+
+    def take(self, freed_before: float, max_bytes: int | None) -> list[tuple[int, int]]:
+        out, got = [], 0
+        for s in list(self._starts):
+            length, t = self._ranges[s]
+            if t <= freed_before:
+                if max_bytes is not None and out and got + length > max_bytes:
+                    break
+                self._pop(s)
+                out.append((s, length))
+                got += length
+        return out
