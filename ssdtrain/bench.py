@@ -1,0 +1,733 @@
+"""``ssdtrain bench``: train a GPT-style decoder with and without offloading, side by side.
+
+Three modes train the same model (same initial weights, same batches) in one process:
+
+* ``baseline`` - plain PyTorch, every activation stays in memory;
+* ``recompute`` - ``torch.utils.checkpoint`` per block (``use_reentrant=False``);
+* ``offload`` - :class:`ssdtrain.Offloader` on the model, default config, at ``--path``.
+
+Steps alternate between the modes (baseline, recompute, offload, baseline, ...) so that noise
+from the machine hits all alike; the first step of each mode is a warm-up and is not counted.
+Timed steps run with no instrumentation but a small RSS sampler thread (all modes alike).
+
+What the table reports, per mode:
+
+* **step time** - median over the timed steps (zero_grad, forward, backward, optimizer step;
+  for offload also ``off.wait()``), and its ratio to baseline.
+* **peak saved** - the peak bytes of saved activations held in memory. For offload this is the
+  offloader's own ``peak_resident_bytes`` (max over the timed steps). For baseline and
+  recompute it is measured in one extra, untimed step with a ``saved_tensors_hooks`` counter of
+  unique storages (parameters and buffers excluded), tracked until autograd frees them. For
+  recompute, whose checkpointed blocks save through their own hooks, the counter adds what
+  checkpointing holds: each block's input until that block's backward is done, and one block's
+  activations (measured on a single block) while it is recomputed.
+* **peak RSS growth** - the process's resident set sampled from ``/proc/self/statm`` every
+  ~2 ms during each timed step, max minus the value at the step's start (after ``malloc_trim``
+  so memory freed by earlier steps is returned first); max over the timed steps.
+* **written / read** - bytes per step to and from the drive; **write / read GB/s** - those
+  over the median step time, beside the drive's raw O_DIRECT bandwidth measured by the probe at
+  the start of the same run; **stall** - median seconds per step compute waited on I/O.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import ctypes
+import ctypes.util
+import datetime
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ssdtrain._progress import Progress
+from ssdtrain.models import GPT, GPTConfig, preset
+
+__all__ = ["MODES", "BenchArgs", "format_table", "main", "run"]
+
+logger = logging.getLogger(__name__)
+
+MODES = ("baseline", "recompute", "offload")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+GB = 1e9
+
+
+# --- settings -----------------------------------------------------------------------------------
+
+@dataclass(kw_only=True)
+class BenchArgs:
+    """One bench run's settings (the CLI flags, resolved)."""
+
+    model: GPTConfig
+    batch: int
+    steps: int
+    """Timed steps per mode (after one warm-up step each)."""
+    dtype: str = "float32"
+    modes: tuple[str, ...] = MODES
+    path: str | None = None
+    """Offload directory; ``None``: the OffloadConfig default ($SSDTRAIN_PATH or the temp dir)."""
+    work_dir: str | None = None
+    """Where the token corpus is cached; ``None``: ~/.cache/ssdtrain/bench."""
+    data: str = "auto"
+    probe_bytes: int = 256 << 20
+    seed: int = 0
+    progress: bool | None = None
+    keep_timeline: bool = False
+
+
+def _default_work_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "ssdtrain", "bench")
+
+
+# --- measuring ----------------------------------------------------------------------------------
+
+class _Held:
+    """What the saved-bytes counter hands autograd: the tensor, and a release on collection."""
+
+    __slots__ = ("tensor", "meter", "key", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, meter: _SavedMeter, key: int) -> None:
+        self.tensor, self.meter, self.key = tensor, meter, key
+
+    def __del__(self) -> None:
+        self.meter._release(self.key)
+
+
+class _SavedMeter:
+    """Live bytes of unique storages saved for backward, with their peak and a timeline.
+
+    Used in one untimed step per mode: timed steps run with no hooks at all. Parameters and
+    buffers are excluded (they are not activations). A storage counts once however many saves
+    (views) refer to it, until the last of them is released by autograd.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, recompute_block_bytes: int = 0) -> None:
+        self._excluded = {t.untyped_storage().data_ptr() for t in model.parameters()}
+        self._excluded |= {t.untyped_storage().data_ptr() for t in model.buffers()}
+        self._live: dict[int, list[int]] = {}
+        self._lock = threading.Lock()
+        self.bytes = 0
+        self.peak = 0
+        self.t0 = time.perf_counter()
+        self.timeline: list[tuple[float, int]] = [(self.t0, 0)]
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._handles: list[Any] = []
+        if recompute_block_bytes:
+            self._block_bytes = recompute_block_bytes
+            for block in model.blocks:
+                self._handles.append(block.register_forward_pre_hook(self._block_pre))
+
+    # saved_tensors_hooks
+    def _pack(self, t: torch.Tensor) -> Any:
+        key = self._acquire(t)
+        return t if key is None else _Held(t, self, key)
+
+    @staticmethod
+    def _unpack(held: Any) -> torch.Tensor:
+        return held.tensor if isinstance(held, _Held) else held
+
+    def _acquire(self, t: torch.Tensor, extra: int = 0) -> int | None:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in self._excluded or storage.nbytes() == 0:
+            return None
+        with self._lock:
+            entry = self._live.get(key)
+            if entry is None:
+                self._live[key] = [1, storage.nbytes()]
+                self._change(storage.nbytes())
+            else:
+                entry[0] += 1
+        return key
+
+    def _release(self, key: int) -> None:
+        with self._lock:
+            entry = self._live.get(key)
+            if entry is None:
+                return
+            entry[0] -= 1
+            if entry[0] == 0:
+                del self._live[key]
+                self._change(-entry[1])
+
+    def _change(self, delta: int) -> None:
+        self.bytes += delta
+        self.peak = max(self.peak, self.bytes)
+        self.timeline.append((time.perf_counter(), self.bytes))
+
+    # Non-reentrant checkpoint saves through hooks of its own (innermost wins), so for the
+    # recompute mode we account for what it holds instead: the block's input, kept by the
+    # checkpoint frame until the block's backward is done, and while the block is recomputed
+    # in backward, its activations (``recompute_block_bytes``, measured on one block).
+    def _block_pre(self, module: torch.nn.Module, args: tuple) -> None:
+        x = args[0]
+        if torch._C._current_graph_task_id() != -1:  # recomputation, inside backward
+            with self._lock:
+                self._change(self._block_bytes)
+            module._ssdtrain_bench_recomputed = True
+            return
+        if not (isinstance(x, torch.Tensor) and x.requires_grad):
+            return
+        key = self._acquire(x)
+        module._ssdtrain_bench_recomputed = False
+
+        def done(grad: torch.Tensor) -> None:
+            if key is not None:
+                self._release(key)
+            if getattr(module, "_ssdtrain_bench_recomputed", False):
+                module._ssdtrain_bench_recomputed = False
+                with self._lock:
+                    self._change(-self._block_bytes)
+
+        x.register_hook(done)
+
+    def __enter__(self) -> _SavedMeter:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+def _block_saved_bytes(block: torch.nn.Module, batch: int, seq: int, hidden: int, dtype) -> int:
+    """Unique bytes one block saves for backward (what recomputing it brings back)."""
+    x = torch.randn(batch, seq, hidden, dtype=dtype, requires_grad=True)
+    meter = _SavedMeter(block)
+    with meter:
+        y = block(x)
+    peak = meter.peak
+    del y
+    return peak
+
+
+class _RssSampler:
+    """Samples this process's resident set on a thread; ``peak_growth`` since ``start``."""
+
+    def __init__(self, interval: float = 0.002) -> None:
+        self.interval = interval
+        self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+        try:
+            self._fd: int | None = os.open("/proc/self/statm", os.O_RDONLY)
+        except OSError:
+            self._fd = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.start_rss = 0
+        self.peak_rss = 0
+
+    @property
+    def available(self) -> bool:
+        return self._fd is not None
+
+    def rss(self) -> int:
+        raw = os.pread(self._fd, 128, 0)
+        return int(raw.split()[1]) * self._page
+
+    def start(self) -> None:
+        if self._fd is None:
+            return
+        self.start_rss = self.peak_rss = self.rss()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="ssdtrain-bench-rss", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak_rss = max(self.peak_rss, self.rss())
+
+    def stop(self) -> int | None:
+        """Stops sampling; returns the peak growth in bytes (``None`` without /proc)."""
+        if self._fd is None or self._thread is None:
+            return None
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        self.peak_rss = max(self.peak_rss, self.rss())
+        return self.peak_rss - self.start_rss
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _malloc_trimmer():
+    """``malloc_trim(0)`` from glibc, or a no-op elsewhere."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return lambda: None
+    trim.argtypes = [ctypes.c_size_t]
+    return lambda: trim(0)
+
+
+# --- the modes ----------------------------------------------------------------------------------
+
+@dataclass
+class _Step:
+    seconds: float
+    loss: float
+    rss_growth: int | None = None
+    peak_saved: int | None = None
+    written: int = 0
+    read: int = 0
+    stall: float = 0.0
+
+
+@dataclass
+class _Timeline:
+    points: list[tuple[float, int]] = field(default_factory=list)
+    forward_end: float = 0.0
+    backward_end: float = 0.0
+    step_end: float = 0.0
+
+
+class _Mode:
+    """One mode's model, optimizer and (for offload) offloader."""
+
+    def __init__(self, name: str, model: GPT, path: str | None) -> None:
+        self.name = name
+        self.model = model
+        model.recompute = name == "recompute"
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        self.off = None
+        if name == "offload":
+            import ssdtrain
+
+            self.off = ssdtrain.Offloader(model, path=path) if path else ssdtrain.Offloader(model)
+
+    def _forward_backward(self, tokens, targets, marks: dict | None = None) -> float:
+        self.opt.zero_grad(set_to_none=True)
+        if self.off is not None:
+            with self.off:
+                loss = self.model(tokens, targets)
+        else:
+            loss = self.model(tokens, targets)
+        if marks is not None:
+            marks["forward_end"] = time.perf_counter()
+        loss.backward()
+        if self.off is not None:
+            self.off.wait()
+        if marks is not None:
+            marks["backward_end"] = time.perf_counter()
+        self.opt.step()
+        return float(loss.detach())
+
+    def timed_step(self, tokens, targets, sampler: _RssSampler, trim) -> _Step:
+        before = self.off.stats() if self.off is not None else None
+        if self.off is not None:
+            self.off.reset_peak()
+        trim()
+        sampler.start()
+        t0 = time.perf_counter()
+        loss = self._forward_backward(tokens, targets)
+        seconds = time.perf_counter() - t0
+        growth = sampler.stop()
+        step = _Step(seconds=seconds, loss=loss, rss_growth=growth)
+        if self.off is not None:
+            after = self.off.stats()
+            step.peak_saved = after.peak_resident_bytes
+            step.written = after.written_bytes - before.written_bytes
+            step.read = after.read_bytes - before.read_bytes
+            step.stall = after.stall_seconds - before.stall_seconds
+        return step
+
+    def measure_step(self, tokens, targets, block_bytes: int) -> tuple[int, _Timeline]:
+        """An untimed step recording saved bytes over time; returns (peak, timeline)."""
+        marks: dict[str, float] = {}
+        if self.off is not None:
+            self.off.reset_peak()
+            points = self.off.record_timeline(True)
+            t0 = time.perf_counter()
+            self._forward_backward(tokens, targets, marks)
+            end = time.perf_counter()
+            self.off.record_timeline(False)
+            peak = self.off.stats().peak_resident_bytes
+            points = [(t - t0, b) for t, b in points if t >= t0]
+        else:
+            meter = _SavedMeter(self.model, recompute_block_bytes=block_bytes if self.model.recompute else 0)
+            t0 = meter.t0
+            try:
+                with meter:
+                    self._forward_backward(tokens, targets, marks)
+            finally:
+                meter.close()
+            end = time.perf_counter()
+            peak = meter.peak
+            points = [(t - t0, b) for t, b in meter.timeline]
+        timeline = _Timeline(points=[(0.0, points[0][1] if points else 0)] + points,
+                             forward_end=marks["forward_end"] - t0,
+                             backward_end=marks["backward_end"] - t0, step_end=end - t0)
+        return peak, timeline
+
+    def close(self) -> None:
+        if self.off is not None:
+            self.off.close()
+
+
+# --- the run ------------------------------------------------------------------------------------
+
+def _probe(paths: list[str], size: int, progress: bool | None) -> dict:
+    """Raw drive bandwidth of the offload paths (summed over paths), or why not."""
+    drive: dict[str, Any] = {"paths": paths, "write_gbps": None, "read_gbps": None}
+    try:
+        from ssdtrain.probe import probe_path
+    except ImportError as exc:
+        drive["error"] = f"probe unavailable: {exc}"
+        return drive
+    results = []
+    for path in paths:
+        os.makedirs(path, exist_ok=True)
+        bar = Progress(total=2 * size, label=f"probe {path}", enabled=progress)
+        try:
+            results.append(probe_path(path, size_bytes=size,
+                                      progress=lambda phase, done, total: bar.set(
+                                          done + (size if phase == "read" else 0), phase)))
+        except (OSError, ValueError) as exc:
+            drive["error"] = f"probe of {path} failed: {exc}"
+            return drive
+        finally:
+            bar.close()
+    drive["write_gbps"] = sum(r.write_gbps for r in results)
+    drive["read_gbps"] = sum(r.read_gbps for r in results)
+    drive["probe"] = [r.as_dict() for r in results]
+    drive["warnings"] = [w for r in results for w in r.warnings]
+    return drive
+
+
+def _machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+def run(args: BenchArgs) -> dict:
+    """Runs the bench and returns the result dict (the structure ``--json`` writes)."""
+    from ssdtrain.config import OffloadConfig
+    from ssdtrain.data import TokenLoader
+
+    for mode in args.modes:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    if args.steps < 1 or args.batch < 1:
+        raise ValueError(f"steps and batch must be >= 1, got {args.steps} and {args.batch}")
+    dtype = DTYPES[args.dtype]
+    paths = list(OffloadConfig(path=args.path).paths if args.path else OffloadConfig().paths)
+    result: dict[str, Any] = {"machine": _machine()}
+
+    drive = {"paths": paths, "write_gbps": None, "read_gbps": None}
+    if "offload" in args.modes:
+        drive = _probe(paths, args.probe_bytes, args.progress)
+    result["drive"] = drive
+
+    cfg = args.model
+    loader = TokenLoader(Path(args.work_dir or _default_work_dir()) / "corpus", batch_size=args.batch,
+                         seq=cfg.seq, vocab=cfg.vocab, num_samples=max(256, 4 * args.batch),
+                         seed=args.seed, backend=args.data)
+    torch.manual_seed(args.seed)
+    reference = GPT(cfg).to(dtype)
+    result["model"] = {**asdict(cfg), "params": reference.num_params(), "batch": args.batch,
+                       "dtype": args.dtype, "steps": args.steps, "warmup_steps": 1}
+    result["input"] = {"backend": loader.backend}
+    modes = {name: _Mode(name, copy.deepcopy(reference), args.path) for name in args.modes}
+    del reference
+    if "offload" in modes:
+        result["offload"] = {"backend": modes["offload"].off.backend,
+                             "config": _config_dict(modes["offload"].off.config)}
+
+    sampler = _RssSampler()
+    trim = _malloc_trimmer()
+    steps: dict[str, list[_Step]] = {name: [] for name in modes}
+    rounds = 1 + args.steps
+    bar = Progress(total=rounds * len(modes) + len(modes), label="bench", enabled=args.progress)
+    batches = iter(loader)
+    try:
+        for r in range(rounds):
+            tokens, targets = next(batches)
+            for name, mode in modes.items():
+                bar.draw(f"{name} step {r}/{args.steps}" + (" (warm-up)" if r == 0 else ""), force=True)
+                step = mode.timed_step(tokens, targets, sampler, trim)
+                if r > 0:
+                    steps[name].append(step)
+                bar.update(note=f"{name} {step.seconds:.2f}s")
+        tokens, targets = next(batches)
+        block_bytes = 0
+        if "recompute" in modes:
+            m = modes["recompute"].model
+            block_bytes = _block_saved_bytes(m.blocks[0], args.batch, cfg.seq, cfg.hidden, dtype)
+        measured = {}
+        for name, mode in modes.items():
+            bar.draw(f"{name} memory timeline", force=True)
+            measured[name] = mode.measure_step(tokens, targets, block_bytes)
+            bar.update()
+    finally:
+        bar.close()
+        for mode in modes.values():
+            mode.close()
+        loader.close()
+        sampler.close()
+
+    result["modes"] = _summarize(steps, measured, drive)
+    if args.keep_timeline:
+        result["timeline"] = {name: asdict(t) for name, (_, t) in measured.items()}
+    return result
+
+
+def _config_dict(config) -> dict:
+    out = {}
+    for k, v in asdict(config).items():
+        out[k] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def _summarize(steps: dict[str, list[_Step]], measured: dict, drive: dict) -> dict:
+    out: dict[str, dict] = {}
+    for name, ss in steps.items():
+        t = statistics.median(s.seconds for s in ss)
+        if name == "offload":
+            peak_saved = max(s.peak_saved or 0 for s in ss)
+        else:
+            peak_saved = measured[name][0]
+        rss = [s.rss_growth for s in ss if s.rss_growth is not None]
+        written = round(statistics.fmean(s.written for s in ss))
+        read = round(statistics.fmean(s.read for s in ss))
+        out[name] = {
+            "step_time_s": t,
+            "step_times_s": [s.seconds for s in ss],
+            "peak_saved_bytes": peak_saved,
+            "peak_rss_bytes": max(rss) if rss else None,
+            "written_bytes": written,
+            "read_bytes": read,
+            "write_gbps": written / t / GB,
+            "read_gbps": read / t / GB,
+            "stall_s": statistics.median(s.stall for s in ss),
+            "losses": [s.loss for s in ss],
+        }
+    base = out.get("baseline")
+    for row in out.values():
+        for key, ref_key in (("step_time_ratio", "step_time_s"), ("peak_saved_ratio", "peak_saved_bytes"),
+                             ("peak_rss_ratio", "peak_rss_bytes")):
+            ref = base[ref_key] if base else None
+            row[key] = row[ref_key] / ref if ref and row[ref_key] is not None else None
+        for kind in ("write", "read"):
+            raw = drive.get(f"{kind}_gbps")
+            row[f"{kind}_share_of_drive"] = row[f"{kind}_gbps"] / raw if raw else None
+    return out
+
+
+# --- output -------------------------------------------------------------------------------------
+
+def _fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"x{x:.2f}"
+
+
+def format_table(result: dict) -> str:
+    """The human-readable report ``ssdtrain bench`` prints."""
+    m, mach, drive = result["model"], result["machine"], result["drive"]
+    lines = [
+        f"model: {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads, seq {m['seq']}, "
+        f"vocab {m['vocab']}, {m['params'] / 1e6:.1f}M params; batch {m['batch']}, {m['dtype']}; "
+        f"{m['steps']} timed steps per mode after 1 warm-up, modes alternated",
+        f"machine: {mach['cpu']}, {mach['cpus']} CPUs, torch {mach['torch']}, {mach['date']}",
+        f"input: {result['input']['backend']} pipeline",
+    ]
+    if drive.get("write_gbps") is not None:
+        probe = drive.get("probe") or [{}]
+        io = "O_DIRECT" if all(p.get("direct_io") for p in probe) else "buffered"
+        fs = ",".join(sorted({p.get("fs_type", "?") for p in probe}))
+        lines.append(f"drive: {', '.join(drive['paths'])} ({fs}, {io}): raw write "
+                     f"{drive['write_gbps']:.2f} GB/s, read {drive['read_gbps']:.2f} GB/s (probe, same run)")
+        lines += [f"  warning: {w}" for w in drive.get("warnings", [])]
+    elif "offload" in result["modes"]:
+        lines.append(f"drive: {', '.join(drive['paths'])}: raw bandwidth unknown ({drive.get('error', 'no probe')})")
+    if "offload" in result:
+        lines.append(f"offload backend: {result['offload']['backend']}")
+    head = ("mode", "step", "vs base", "peak saved", "vs base", "peak RSS+", "vs base",
+            "written", "read", "write GB/s", "read GB/s", "stall")
+    rows = [head]
+    for name, r in result["modes"].items():
+        def bw(kind: str) -> str:
+            if not r["written_bytes" if kind == "write" else "read_bytes"]:
+                return "-"
+            share = r[f"{kind}_share_of_drive"]
+            return f"{r[f'{kind}_gbps']:.2f}" + (f" ({share:.0%})" if share is not None else "")
+        rows.append((
+            name, f"{r['step_time_s']:.3f}s", _ratio(r["step_time_ratio"]),
+            _fmt_bytes(r["peak_saved_bytes"]), _ratio(r["peak_saved_ratio"]),
+            _fmt_bytes(r["peak_rss_bytes"]), _ratio(r["peak_rss_ratio"]),
+            _fmt_bytes(r["written_bytes"]) if r["written_bytes"] else "-",
+            _fmt_bytes(r["read_bytes"]) if r["read_bytes"] else "-",
+            bw("write"), bw("read"), f"{r['stall_s']:.3f}s" if name == "offload" else "-",
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines.append("")
+    for i, row in enumerate(rows):
+        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
+        lines.append("  ".join(cells))
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    lines.append("")
+    lines.append("step: median; peak saved: saved-activation bytes in memory; peak RSS+: resident set "
+                 "growth within a step; written/read: per step; GB/s: per step time (share of raw)")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> None:
+    """Saved-activation bytes over one step per mode, forward and backward marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timelines = result["timeline"]
+    fig, axes = plt.subplots(len(timelines), 1, figsize=(8, 2.4 * len(timelines)), squeeze=False)
+    for ax, (name, tl) in zip(axes[:, 0], timelines.items()):
+        pts = tl["points"] + [(tl["step_end"], tl["points"][-1][1] if tl["points"] else 0)]
+        xs = [p[0] for p in pts]
+        ys = [p[1] / 2**20 for p in pts]
+        ax.step(xs, ys, where="post", color="C0")
+        ax.axvspan(0, tl["forward_end"], color="C2", alpha=0.12, label="forward")
+        ax.axvspan(tl["forward_end"], tl["backward_end"], color="C3", alpha=0.12, label="backward")
+        ax.set_title(name, loc="left", fontsize=10)
+        ax.set_ylabel("saved MiB")
+        ax.legend(loc="upper right", fontsize=8)
+    axes[-1, 0].set_xlabel("seconds since step start")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# --- command line -------------------------------------------------------------------------------
+
+def _size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().removesuffix("b").removesuffix("i")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(t)
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="ssdtrain bench",
+        description="Train a GPT-style decoder in the modes baseline, recompute and offload, "
+        "alternated step by step, and print step time, memory and drive traffic side by side.",
+    )
+    ap.add_argument("--quick", action="store_true", help="tiny model and few steps (seconds)")
+    ap.add_argument("--layers", type=int)
+    ap.add_argument("--hidden", type=int)
+    ap.add_argument("--heads", type=int)
+    ap.add_argument("--seq", type=int)
+    ap.add_argument("--vocab", type=int)
+    ap.add_argument("--batch", type=int, help="sequences per step (default 4; --quick 8)")
+    ap.add_argument("--steps", type=int, help="timed steps per mode after one warm-up (default 3)")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    ap.add_argument("--naive-attention", action="store_true", help="materialise the s x s scores")
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
+    ap.add_argument("--path", help="offload directory (default: $SSDTRAIN_PATH, else the temp dir)")
+    ap.add_argument("--work-dir", help="cache for the token corpus (default ~/.cache/ssdtrain/bench)")
+    ap.add_argument("--data", choices=("auto", "dali", "torch"), default="auto",
+                    help="input pipeline (auto: DALI if installed)")
+    ap.add_argument("--probe-size", type=_size, help="bytes the drive probe writes and reads (default 256MiB)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    ap.add_argument("--plot", metavar="PATH", help="draw each mode's memory timeline (needs matplotlib)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return ap
+
+
+def args_from_cli(ns: argparse.Namespace) -> BenchArgs:
+    base = preset("quick" if ns.quick else "default")
+    model = base.replace(layers=ns.layers, hidden=ns.hidden, heads=ns.heads, seq=ns.seq, vocab=ns.vocab,
+                         flash=False if ns.naive_attention else None)
+    modes = tuple(m.strip() for m in ns.modes.split(",") if m.strip())
+    return BenchArgs(
+        model=model,
+        batch=ns.batch or (8 if ns.quick else 4),
+        steps=ns.steps or 3,
+        dtype=ns.dtype,
+        modes=modes,
+        path=ns.path,
+        work_dir=ns.work_dir,
+        data=ns.data,
+        probe_bytes=ns.probe_size or ((64 << 20) if ns.quick else (256 << 20)),
+        seed=ns.seed,
+        progress=False if ns.no_progress else None,
+        keep_timeline=bool(ns.plot),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = _parser().parse_args(argv)
+    if ns.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("ssdtrain bench: --plot needs matplotlib; pip install 'ssdtrain[plot]'", file=sys.stderr)
+            return 2
+    try:
+        args = args_from_cli(ns)
+        bad = [m for m in args.modes if m not in MODES]
+        if bad or not args.modes:
+            raise ValueError(f"--modes: unknown {', '.join(bad) or '(empty)'}; choose from {', '.join(MODES)}")
+    except ValueError as exc:
+        print(f"ssdtrain bench: {exc}", file=sys.stderr)
+        return 2
+    try:
+        result = run(args)
+    except ImportError as exc:
+        print(f"ssdtrain bench: {exc}", file=sys.stderr)
+        return 2
+    print(format_table(result))
+    if ns.json:
+        data = {k: v for k, v in result.items() if k != "timeline"}
+        with open(ns.json, "w") as f:
+            json.dump(data, f, indent=2, default=str)
+            f.write("\n")
+    if ns.plot:
+        plot(result, ns.plot)
+        print(f"memory timeline: {ns.plot}")
+    return 0
