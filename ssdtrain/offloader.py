@@ -51,6 +51,8 @@ class Offloader:
         model: the model being trained (optional). Its parameters and buffers are never written;
             its repeated blocks tag saves for ``keep_last_layers`` and block-wise prefetch.
         config: an :class:`OffloadConfig` (or a mapping of its fields).
+        store: a ready :class:`~ssdtrain.store.Backend` to use instead of the one ``backend``
+            names (custom storage; the tests use a store whose I/O they complete by hand).
         **overrides: fields of :class:`OffloadConfig` that replace those of ``config``.
 
     Raises:
@@ -67,8 +69,8 @@ class Offloader:
         off.close()
     """
 
-    def __init__(self, model: nn.Module | None = None, config: OffloadConfig | Mapping | None = None,
-                 **overrides: Any) -> None:
+    def __init__(self, model: nn.Module | None = None, config: OffloadConfig | Mapping | None = None, *,
+                 store: Backend | None = None, **overrides: Any) -> None:
         if config is None:
             config = OffloadConfig.from_dict(overrides)
         else:
@@ -87,7 +89,7 @@ class Offloader:
             raise ValueError(
                 f"keep_last_layers={config.keep_last_layers} needs blocks to count from: pass model= with an "
                 "nn.ModuleList of blocks (or layers='dotted.name'), or set keep_last_layers=0")
-        self._backend: Backend = make_backend(config)  # checks the paths; raises ValueError
+        self._backend: Backend = store if store is not None else make_backend(config)  # checks the paths
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._index = StorageIndex()
@@ -626,7 +628,7 @@ class Offloader:
             self._counters.add(e.scope.stats_id, field, amount)
 
     def _make_endurance(self):
-        if self.backend == "memory":
+        if self.backend not in ("posix", "kvikio"):
             return None
         try:
             from ssdtrain.endurance import EnduranceMonitor
