@@ -83,6 +83,8 @@ class BenchArgs:
     seed: int = 0
     progress: bool | None = None
     keep_timeline: bool = False
+    threads: int | None = None
+    """torch intra-op threads; ``None``: torch's default."""
 
 
 def _default_work_dir() -> str:
@@ -445,6 +447,8 @@ def run(args: BenchArgs) -> dict:
     if args.steps < 1 or args.batch < 1:
         raise ValueError(f"steps and batch must be >= 1, got {args.steps} and {args.batch}")
     dtype = DTYPES[args.dtype]
+    if args.threads:
+        torch.set_num_threads(args.threads)
     paths = list(OffloadConfig(path=args.path).paths if args.path else OffloadConfig().paths)
     result: dict[str, Any] = {"machine": _machine()}
 
@@ -673,6 +677,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="input pipeline (auto: DALI if installed)")
     ap.add_argument("--probe-size", type=_size, help="bytes the drive probe writes and reads (default 256MiB)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     ap.add_argument("--plot", metavar="PATH", help="draw each mode's memory timeline (needs matplotlib)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -697,6 +702,7 @@ def args_from_cli(ns: argparse.Namespace) -> BenchArgs:
         seed=ns.seed,
         progress=False if ns.no_progress else None,
         keep_timeline=bool(ns.plot),
+        threads=ns.threads,
     )
 
 

@@ -1,0 +1,164 @@
+"""Tests for ssdtrain/bench.py (``ssdtrain bench``) and ssdtrain/_progress.py."""
+
+import io
+import json
+import sys
+
+import pytest
+import torch
+
+from ssdtrain import bench
+from ssdtrain._progress import Progress
+from ssdtrain.models import GPT, GPTConfig
+
+KEYS = ("step_time_s", "peak_saved_bytes", "peak_rss_bytes", "written_bytes", "read_bytes", "stall_s")
+
+
+def _run_quick(tmp_path, capsys, data, *extra):
+    out = tmp_path / "bench.json"
+    rc = bench.main(["--quick", "--steps", "1", "--data", data, "--probe-size", "8MiB",
+                     "--path", str(tmp_path / "nvme"), "--work-dir", str(tmp_path / "work"),
+                     "--json", str(out), "--no-progress", *extra])
+    assert rc == 0
+    text = capsys.readouterr().out
+    return text, json.loads(out.read_text())
+
+
+def _check(text, result, backend):
+    for mode in bench.MODES:
+        assert mode in text
+    assert "drive:" in text and "step" in text and "peak saved" in text
+    assert result["input"]["backend"] == backend
+    drive = result["drive"]
+    assert drive["write_gbps"] is None or drive["write_gbps"] > 0
+    assert drive["read_gbps"] is None or drive["read_gbps"] > 0
+    modes = result["modes"]
+    for mode in bench.MODES:
+        for key in KEYS:
+            assert key in modes[mode], (mode, key)
+        assert modes[mode]["step_time_s"] > 0
+    base, rec, off = modes["baseline"], modes["recompute"], modes["offload"]
+    assert base["written_bytes"] == base["read_bytes"] == 0 and base["stall_s"] == 0
+    assert off["written_bytes"] > 0 and off["read_bytes"] > 0
+    assert 0 < rec["peak_saved_bytes"] < base["peak_saved_bytes"]
+    assert 0 < off["peak_saved_bytes"] <= base["peak_saved_bytes"]
+    assert base["step_time_ratio"] == 1.0
+    # Same initial weights and batches: offloading changes no bit of training.
+    assert off["losses"] == base["losses"]
+    assert rec["losses"] == pytest.approx(base["losses"], rel=1e-5)
+
+
+def test_quick_end_to_end_torch_input(tmp_path, capsys):
+    text, result = _run_quick(tmp_path, capsys, "torch")
+    _check(text, result, "torch")
+    assert not list((tmp_path / "nvme").rglob("*"))  # nothing left on the drive
+
+
+def test_quick_end_to_end_dali_input_with_plot(tmp_path, capsys):
+    pytest.importorskip("nvidia.dali")
+    pytest.importorskip("matplotlib")
+    text, result = _run_quick(tmp_path, capsys, "dali", "--plot", str(tmp_path / "mem.png"))
+    _check(text, result, "dali")
+    assert (tmp_path / "mem.png").stat().st_size > 0
+    assert "timeline" not in result  # kept for the plot, not written to JSON
+
+
+def test_plot_without_matplotlib_is_one_clear_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    rc = bench.main(["--quick", "--plot", str(tmp_path / "x.png")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "pip install 'ssdtrain[plot]'" in err
+
+
+def test_bad_modes(capsys):
+    assert bench.main(["--quick", "--modes", "baseline,fast"]) == 2
+    assert "fast" in capsys.readouterr().err
+
+
+def test_probe_missing_reports_none(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ssdtrain.probe", None)
+    drive = bench._probe([str(tmp_path)], 1 << 20, False)
+    assert drive["write_gbps"] is None and drive["read_gbps"] is None and "probe" in drive["error"]
+
+
+def test_saved_meter_counts_unique_storages_until_freed():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 16)
+    x = torch.randn(8, 16, requires_grad=True)
+    meter = bench._SavedMeter(lin)
+    with meter:
+        h = lin(x)  # saves x (and the weight, excluded)
+        y = (h * h).sum() + (h[:4] * 2).sum()  # h saved twice (as self and other): counted once
+    assert meter.bytes == x.untyped_storage().nbytes() + h.untyped_storage().nbytes()
+    del h
+    y.backward()
+    del y
+    assert meter.bytes == 0 and meter.peak == 2 * 8 * 16 * 4
+    assert meter.timeline[-1][1] == 0
+
+
+def test_saved_meter_on_recompute_adds_block_inputs_and_recomputed_block():
+    cfg = GPTConfig(vocab=64, seq=32, layers=3, hidden=32, heads=4)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    x = torch.randint(0, cfg.vocab, (2, cfg.seq))
+    base = bench._SavedMeter(model)
+    with base:
+        model(x, x).backward()
+    model.zero_grad()
+    model.recompute = True
+    block_bytes = bench._block_saved_bytes(model.blocks[0], 2, cfg.seq, cfg.hidden, torch.float32)
+    rec = bench._SavedMeter(model, recompute_block_bytes=block_bytes)
+    with rec:
+        model(x, x).backward()
+    rec.close()
+    assert rec.bytes == 0
+    assert 0 < rec.peak < base.peak
+    # At least one recomputed block plus the layer inputs the checkpoints hold.
+    assert rec.peak >= block_bytes + 2 * cfg.seq * cfg.hidden * 4
+
+
+def test_rss_sampler_sees_growth():
+    sampler = bench._RssSampler()
+    if not sampler.available:
+        pytest.skip("no /proc/self/statm")
+    sampler.start()
+    big = torch.ones(64 << 20, dtype=torch.uint8)  # touched: resident
+    growth = sampler.stop()
+    sampler.close()
+    assert growth >= 48 << 20
+    del big
+
+
+def test_progress_bar():
+    stream = io.StringIO()
+    bar = Progress(total=4, label="bench", stream=stream, enabled=True, min_interval=0)
+    bar.update(note="baseline")
+    assert "25%" in stream.getvalue() and "baseline" in stream.getvalue()
+    bar.set(4)
+    assert "100%" in stream.getvalue()
+    bar.close()
+    assert stream.getvalue().endswith("\r")
+    silent = io.StringIO()
+    Progress(total=4, stream=silent).update()  # not a terminal: draws nothing
+    assert silent.getvalue() == ""
+
+
+def test_step_time_benchmark_smoke(tmp_path, capsys):
+    """benchmarks/step_time.py at tiny size, so the benchmark cannot rot."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "step_time.py"
+    spec = importlib.util.spec_from_file_location("step_time_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "step.json"
+    rc = module.main(["--tiny", "--data", "torch", "--path", str(tmp_path / "nvme"),
+                      "--work-dir", str(tmp_path / "work"), "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "offload/baseline" in text and "peak_resident_bytes" in text
+    fig = json.loads(out.read_text())["figures"]
+    assert fig["step_time_ratio"] > 0 and fig["stall_share"] >= 0 and 0 < fig["resident_share"] <= 1.0
+    assert json.loads(out.read_text())["bench"]["model"]["layers"] >= 8
