@@ -29,19 +29,13 @@ from ssdtrain.config import OffloadConfig
 from ssdtrain.schedule import Scope, find_blocks
 from ssdtrain.stats import Counters, OffloadStats
 from ssdtrain.store import Backend, StorageError, make_backend
+from ssdtrain.store._mem import profiled
 
 __all__ = ["Offloader", "offload", "no_offload"]
 
 log = logging.getLogger(__name__)
 
 _SPAN_ALIGN = 16  # see cache._SPAN_ALIGN
-
-
-def _profiled(name: str):
-    """A ``torch.profiler`` range while a profiler runs; nothing otherwise (pack is hot)."""
-    if torch.autograd.profiler._is_profiler_enabled:
-        return torch.profiler.record_function(name)
-    return contextlib.nullcontext()
 
 
 class Offloader:
@@ -270,7 +264,7 @@ class Offloader:
     def _pack(self, t: torch.Tensor) -> Any:
         if self._keeps_as_is(t):
             return t
-        with _profiled("ssdtrain.pack"):
+        with profiled("ssdtrain.pack"):
             self._safe_point(raise_errors=True)
             scope = self._scope_stack[-1] if self._scope_stack else self._orphan_scope()
             lo, hi = view_lo, view_hi = byte_span(t)
@@ -338,7 +332,7 @@ class Offloader:
         """Note [bounded memory in flight]: pack waits (lock released) until writes drain."""
         self._counters.add(scope.stats_id, "backpressure_waits", 1)
         start = time.perf_counter()
-        with _profiled("ssdtrain.stall.backpressure"):
+        with profiled("ssdtrain.stall.backpressure"):
             while self._inflight_bytes and self._inflight_bytes + n > self.config.max_inflight_bytes:
                 if not self._writing:
                     # Nothing in flight to wait for: start queued writes (we hold the lock).
@@ -524,7 +518,7 @@ class Offloader:
     def _unpack(self, ref: Any) -> torch.Tensor:
         if isinstance(ref, torch.Tensor):
             return ref
-        with _profiled("ssdtrain.unpack"):
+        with profiled("ssdtrain.unpack"):
             self._safe_point(raise_errors=False)
             e = ref.entry
             scope = e.scope
@@ -583,7 +577,8 @@ class Offloader:
         for e in scope.queued():
             self._cancel_write(e)
             self._counters.add(scope.stats_id, "adaptive_keep_bytes", e.nbytes)
-        self._prefetch(scope, len(scope.order) - 1, None)
+        if scope.order:
+            self._prefetch(scope, len(scope.order) - 1, scope.order[-1].layer)
 
     def _prefetch(self, scope: Scope, start: int, layer: int | None) -> None:
         cfg = self.config
@@ -604,7 +599,7 @@ class Offloader:
             self._counters_add_locked(e, "prefetch_hits", 1)
         else:
             start = time.perf_counter()
-            with _profiled("ssdtrain.stall.read"):
+            with profiled("ssdtrain.stall.read"):
                 fut.exception()  # waits
             waited = time.perf_counter() - start
             with self._lock:

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 from concurrent.futures import Future
 
 import torch
+
+
+def profiled(name: str):
+    """A ``torch.profiler`` range while a profiler runs; nothing otherwise (the I/O path is hot)."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
 
 
 def host_view(t: torch.Tensor, start: int, n: int) -> memoryview:

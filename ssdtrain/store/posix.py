@@ -24,7 +24,7 @@ import torch
 from ssdtrain import device
 from ssdtrain.config import OffloadConfig
 from ssdtrain.store import _fs
-from ssdtrain.store._mem import capacity, gather, host_view
+from ssdtrain.store._mem import capacity, gather, host_view, profiled
 from ssdtrain.store.allocator import ExtentAllocator
 from ssdtrain.store.base import ALIGN, Backend, ChecksumError, Extent, StorageError, align_up
 
@@ -225,6 +225,11 @@ class PosixBackend(Backend):
 
     def _write_chunk(self, arena: _Arena, src: torch.Tensor, start: int, n: int, offset: int,
                      checksum: bool, ready) -> int | None:
+        with profiled("ssdtrain.write"):
+            return self._write_chunk_now(arena, src, start, n, offset, checksum, ready)
+
+    def _write_chunk_now(self, arena: _Arena, src: torch.Tensor, start: int, n: int, offset: int,
+                         checksum: bool, ready) -> int | None:
         if ready is not None:
             ready()
         crc = None
@@ -276,6 +281,11 @@ class PosixBackend(Backend):
 
     def _read_chunk(self, arena: _Arena, dst: torch.Tensor, start: int, n: int, offset: int,
                     crc: int | None, ready) -> None:
+        with profiled("ssdtrain.read"):
+            self._read_chunk_now(arena, dst, start, n, offset, crc, ready)
+
+    def _read_chunk_now(self, arena: _Arena, dst: torch.Tensor, start: int, n: int, offset: int,
+                        crc: int | None, ready) -> None:
         if ready is not None:
             ready()
         try:

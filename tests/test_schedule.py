@@ -1,0 +1,225 @@
+"""Prefetch, keep policy, backpressure, adaptive keep and micro-batch orders of pipeline schedules."""
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import ssdtrain
+import ssdtrain.store.posix as posix
+from ssdtrain.models import GPT, GPTConfig
+from ssdtrain.schedule import find_blocks
+
+from _equiv import assert_same, step
+
+
+def _stack(n=6, d=64):
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.LayerNorm(d)) for _ in range(n)])
+
+
+def _run_order(order, chunks, xs, off):
+    """Runs forwards ("F", chunk, mb) and backwards ("B", chunk, mb) in the given order, passing
+    activations between chunks like a pipeline (detached boundary, gradient handed back)."""
+    for c in chunks:
+        c.zero_grad(set_to_none=True)
+    outs, ins, grads, losses = {}, {}, {}, {}
+    for kind, c, mb in order:
+        if kind == "F":
+            x = xs[mb] if c == 0 else outs[(c - 1, mb)].detach().requires_grad_()
+            ins[(c, mb)] = x
+            if off is None:
+                y = chunks[c](x)
+            else:
+                with off.microbatch((c, mb)):
+                    y = chunks[c](x)
+            outs[(c, mb)] = y
+            if c == len(chunks) - 1:
+                losses[mb] = y.pow(2).mean()
+        else:
+            if off is not None:
+                off.prefetch((c, mb))
+            if c == len(chunks) - 1:
+                losses[mb].backward()
+            else:
+                outs[(c, mb)].backward(grads[(c + 1, mb)])
+            if c > 0:
+                grads[(c, mb)] = ins[(c, mb)].grad
+    params = [p.grad.clone() for ch in chunks for p in ch.parameters()]
+    return torch.stack([losses[m].detach() for m in sorted(losses)]), params
+
+
+ONE_F_ONE_B = [("F", 0, 0), ("F", 0, 1), ("F", 0, 2), ("B", 0, 0), ("F", 0, 3), ("B", 0, 1), ("F", 0, 4),
+               ("B", 0, 2), ("B", 0, 3), ("B", 0, 4)]
+# Two model chunks per stage (virtual pipeline 2), micro-batches in groups, as interleaved 1F1B does.
+INTERLEAVED = [("F", 0, 0), ("F", 0, 1), ("F", 1, 0), ("F", 1, 1), ("F", 0, 2), ("B", 1, 0), ("F", 0, 3),
+               ("B", 1, 1), ("F", 1, 2), ("B", 0, 0), ("F", 1, 3), ("B", 0, 1), ("B", 1, 2), ("B", 1, 3),
+               ("B", 0, 2), ("B", 0, 3)]
+
+
+@pytest.mark.parametrize("order", [ONE_F_ONE_B, INTERLEAVED], ids=["1f1b", "interleaved"])
+def test_pipeline_orders_are_exact(off_dir, order):
+    model = _stack(6)
+    nchunks = 1 + max(c for _, c, _ in order)
+    chunks = [model[:3], model[3:]] if nchunks == 2 else [model]
+    nmb = 1 + max(m for _, _, m in order)
+    xs = [torch.randn(8, 64, generator=torch.Generator().manual_seed(m)) for m in range(nmb)]
+    base = _run_order(order, chunks, xs, None)
+    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, prefetch_bytes="64KiB")
+    for _ in range(2):
+        assert_same(base, _run_order(order, chunks, xs, off))
+    s = off.stats()
+    assert s.written_bytes > 0 and set(s.microbatches) == {(c, m) for _, c, m in order}
+    off.wait()
+    assert off.stats().live_entries == 0
+    off.close()
+
+
+class SlowBackward(torch.autograd.Function):
+    """Identity whose backward takes a fixed time: deterministic compute to hide reads behind."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(0.03)
+        return g
+
+
+class Block(nn.Module):
+    def __init__(self, d=128):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        return SlowBackward.apply(self.lin(x).tanh())
+
+
+def _hit_rate(off_dir, monkeypatch, **cfg):
+    real = posix._preadv
+
+    def slow_read(fd, bufs, offset):
+        time.sleep(0.005)  # every read request takes at least 5 ms
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(posix, "_preadv", slow_read)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block() for _ in range(10)])
+    x = torch.randn(64, 128)
+    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, **cfg)
+    warm = None
+    for i in range(3):
+        with off:
+            loss = model(x).sum()
+        off.wait()  # all on storage: every unpack needs a read, prefetched or not
+        loss.backward()
+        if i == 0:
+            warm = off.stats()
+    s = off.stats()
+    off.close()
+    return (s.prefetch_hits - warm.prefetch_hits) / (s.prefetch_hits + s.prefetch_misses
+                                                     - warm.prefetch_hits - warm.prefetch_misses)
+
+
+def test_prefetch_hides_slow_reads(off_dir, monkeypatch):
+    model_blocks = find_blocks(nn.Sequential(nn.ModuleList(Block() for _ in range(3))), None)
+    assert len(model_blocks) == 3
+    rate = _hit_rate(off_dir, monkeypatch, prefetch_layers=2, prefetch_bytes="16MiB")
+    assert rate >= 0.9, rate
+
+
+def test_without_prefetch_reads_stall(off_dir, monkeypatch):
+    """The same run with no read-ahead: the hit rate above is the prefetcher's doing."""
+    rate = _hit_rate(off_dir, monkeypatch, prefetch_layers=0, prefetch_bytes=0)
+    assert rate < 0.5, rate
+
+
+def test_keep_last_layers_writes_nothing_for_them(off_dir):
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=256, seq=32, layers=4, hidden=64, heads=4)
+    model = GPT(cfg)
+    tok = torch.randint(0, 256, (2, 32))
+    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, keep_last_layers=2)
+    assert len(off._blocks) == 4
+    with off:
+        loss = model(tok, tok)
+    off.wait()
+    by_layer = {}
+    for e in off._entries.values():
+        by_layer.setdefault(e.layer, []).append(e)
+    assert set(by_layer) >= {0, 1, 2, 3}
+    for layer in (2, 3):
+        assert all(not e.offloaded and e.extent is None for e in by_layer[layer])
+    for layer in (0, 1):
+        assert all(e.offloaded for e in by_layer[layer])
+    kept = sum(e.nbytes for layer in (2, 3) for e in by_layer[layer])
+    s = off.stats()
+    assert s.kept_bytes >= kept > 0
+    assert s.written_bytes <= s.unique_bytes - kept
+    loss.backward()
+    base = step(model, lambda: model(tok, tok), None)
+    assert_same(base, step(model, lambda: model(tok, tok), off))
+    off.close()
+
+
+def _slow_writes(monkeypatch, delay=0.02):
+    real = posix._pwrite
+
+    def slow(fd, buf, offset):
+        time.sleep(delay)
+        return real(fd, buf, offset)
+
+    monkeypatch.setattr(posix, "_pwrite", slow)
+
+
+@pytest.mark.parametrize("when_full", ["wait", "keep"])
+def test_backpressure(off_dir, monkeypatch, when_full):
+    _slow_writes(monkeypatch)
+    model = _stack(8, 128)
+    x = torch.randn(64, 128)
+    base = step(model, lambda: model(x).sum(), None)
+    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, max_inflight_bytes="64KiB",
+                             when_full=when_full, io_threads=1)
+    assert_same(base, step(model, lambda: model(x).sum(), off))
+    s = off.stats()
+    if when_full == "wait":
+        assert s.backpressure_waits > 0 and s.backpressure_stall_seconds > 0 and s.backpressure_keeps == 0
+    else:
+        assert s.backpressure_keeps > 0 and s.backpressure_waits == 0 and s.kept_bytes > 0
+    off.close()
+
+
+def test_adaptive_keep_cancels_what_backward_needs_first(off_dir, monkeypatch):
+    _slow_writes(monkeypatch, 0.05)
+    model = _stack(8, 128)
+    x = torch.randn(64, 128)
+    base = step(model, lambda: model(x).sum(), None)
+    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, io_threads=1)
+    assert_same(base, step(model, lambda: model(x).sum(), off))  # backward right after forward
+    s = off.stats()
+    assert s.cancelled_writes > 0 and s.adaptive_keep_bytes > 0
+    assert s.forwarded_bytes >= s.adaptive_keep_bytes
+    assert s.written_bytes + s.adaptive_keep_bytes <= s.unique_bytes
+    off.close()
+
+
+def test_profiler_ranges(off_dir):
+    from torch.profiler import profile
+
+    off = ssdtrain.Offloader(path=str(off_dir), min_bytes=0)
+    x = torch.randn(256, 256, requires_grad=True)
+    # I/O runs on ssdtrain's threads: the profiler must be told to record all threads.
+    cfg = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    with profile(experimental_config=cfg) as prof:
+        with off:
+            y = x
+            for _ in range(4):
+                y = (y * 1.1).tanh()
+        off.wait()
+        y.sum().backward()
+    names = {e.name for e in prof.events() if e.name.startswith("ssdtrain.")}
+    assert {"ssdtrain.pack", "ssdtrain.unpack", "ssdtrain.write", "ssdtrain.read"} <= names
+    off.close()
