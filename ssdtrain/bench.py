@@ -398,11 +398,14 @@ def _probe(paths: list[str], size: int, progress: bool | None) -> dict:
     results = []
     for path in paths:
         os.makedirs(path, exist_ok=True)
-        bar = Progress(total=2 * size, label=f"probe {path}", enabled=progress)
+        bar = Progress(total=size, label=f"probe {path}", enabled=progress)
+
+        def show(phase: str, done: int, total: int, bar: Progress = bar) -> None:
+            bar.total = total  # one bar per phase (the probe's phases have their own totals)
+            bar.set(done, phase)
+
         try:
-            results.append(probe_path(path, size_bytes=size,
-                                      progress=lambda phase, done, total: bar.set(
-                                          done + (size if phase == "read" else 0), phase)))
+            results.append(probe_path(path, size_bytes=size, progress=show))
         except (OSError, ValueError) as exc:
             drive["error"] = f"probe of {path} failed: {exc}"
             return drive
