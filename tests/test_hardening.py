@@ -1,0 +1,226 @@
+"""Note [a failing drive does not corrupt training]: full drives, I/O errors, bad bytes, crashes."""
+
+import errno
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import ssdtrain
+import ssdtrain.store.posix as posix
+from ssdtrain import StorageError
+
+from _equiv import assert_same, step
+
+
+def _model(layers=6, d=256):
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(d, d), nn.Tanh()) for _ in range(layers)])
+
+
+@pytest.fixture
+def small_drive(tmp_path):
+    """A real 16 MiB ext4 filesystem on a loop device: writes past it fail with ENOSPC."""
+    if os.geteuid() != 0 or not shutil.which("mkfs.ext4"):
+        pytest.skip("needs root and mkfs.ext4 to loop-mount a small filesystem")
+    img, mnt = tmp_path / "drive.img", tmp_path / "mnt"
+    mnt.mkdir()
+    with open(img, "wb") as f:
+        f.truncate(16 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(img)], check=True, capture_output=True)
+    r = subprocess.run(["mount", "-o", "loop", str(img), str(mnt)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"loop mount not permitted here: {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_full_drive_keep(small_drive):
+    model = _model(layers=8, d=512)
+    x = torch.randn(1024, 512)  # ~2 MiB per activation, ~34 MiB saved: more than the drive holds
+    base = step(model, lambda: model(x).sum(), None)
+    off = ssdtrain.Offloader(model, path=str(small_drive), min_bytes=0, on_error="keep")
+    with pytest.warns(RuntimeWarning, match="No space left on device") as record:
+        for _ in range(2):
+            assert_same(base, step(model, lambda: model(x).sum(), off, wait=True))
+    assert len([w for w in record if "on_error='keep'" in str(w.message)]) == 1  # one warning
+    s = off.stats()
+    assert s.failed_writes > 0 and s.written_bytes > 0 and s.kept_bytes > 0
+    off.close()
+    assert list(small_drive.iterdir()) == [p for p in small_drive.iterdir() if p.name == "lost+found"]
+
+
+def test_full_drive_raise(small_drive):
+    model = _model(layers=8, d=512)
+    x = torch.randn(1024, 512)
+    off = ssdtrain.Offloader(model, path=str(small_drive), min_bytes=0, on_error="raise")
+    with pytest.raises(StorageError) as info:
+        with off:
+            loss = model(x).sum()
+        off.wait()
+    msg = str(info.value)
+    assert str(small_drive) in msg and "bytes free" in msg and "No space left" in msg
+    assert info.value.errno == errno.ENOSPC
+    off.close()  # still closable, no hang
+    assert [p.name for p in small_drive.iterdir()] == ["lost+found"]
+
+
+def _inject(monkeypatch, name, fail):
+    real = getattr(posix, name)
+    calls = {"n": 0}
+
+    def wrapped(fd, buf, offset):
+        calls["n"] += 1
+        if fail(calls["n"]):
+            r = fail_result[name]
+            if isinstance(r, Exception):
+                raise r
+            return r
+        return real(fd, buf, offset)
+
+    fail_result = {}
+    monkeypatch.setattr(posix, name, wrapped)
+    return fail_result
+
+
+@pytest.mark.parametrize("kind", ["eio", "short"])
+def test_write_errors_follow_the_policy(off_dir, monkeypatch, kind):
+    result = _inject(monkeypatch, "_pwrite", lambda n: n % 3 == 0)
+    result["_pwrite"] = OSError(errno.EIO, "Input/output error") if kind == "eio" else 0
+    model = _model()
+    x = torch.randn(64, 256)
+    base = step(model, lambda: model(x).sum(), None)
+    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, on_error="keep")
+    with pytest.warns(RuntimeWarning, match="a write failed"):
+        assert_same(base, step(model, lambda: model(x).sum(), off, wait=True))
+    assert off.stats().failed_writes > 0
+    off.close()
+    strict = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, on_error="raise")
+    with pytest.raises(StorageError, match="short write" if kind == "short" else "Input/output error"):
+        step(model, lambda: model(x).sum(), strict, wait=True)
+    strict.close()
+
+
+@pytest.mark.parametrize("kind", ["eio", "short"])
+def test_read_errors_never_return_garbage(off_dir, monkeypatch, kind):
+    result = _inject(monkeypatch, "_preadv", lambda n: n == 2)
+    result["_preadv"] = OSError(errno.EIO, "Input/output error") if kind == "eio" else 0
+    model = _model()
+    x = torch.randn(64, 256)
+    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0)
+    with off:
+        loss = model(x).sum()
+    off.wait()
+    with pytest.raises(StorageError, match="could not read a saved activation back"):
+        loss.backward()
+    assert off.stats().failed_reads >= 1
+    off.close()
+
+
+def test_flipped_byte_is_detected(off_dir):
+    model = _model()
+    x = torch.randn(64, 256)
+    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, verify=True)
+    base = step(model, lambda: model(x).sum(), None)
+    assert_same(base, step(model, lambda: model(x).sum(), off, wait=True))  # clean bytes pass
+    with off:
+        loss = model(x).sum()
+    off.wait()
+    arena = off._backend._arenas[0]
+    victim = next(e for e in off._entries.values() if e.extent is not None)
+    fd = os.open(f"/proc/self/fd/{arena.fd}", os.O_RDWR)  # a second, buffered handle on the arena
+    try:
+        pos = victim.extent.offset + victim.nbytes // 2
+        byte = os.pread(fd, 1, pos)
+        os.pwrite(fd, bytes([byte[0] ^ 0x10]), pos)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    with pytest.raises(StorageError, match="checksum mismatch"):
+        loss.backward()
+    off.close()
+
+
+def test_exception_inside_the_block_leaves_it_usable(off_dir):
+    model = _model()
+    x = torch.randn(64, 256)
+    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0)
+    with pytest.raises(ZeroDivisionError):
+        with off:
+            model(x).sum()
+            1 / 0
+    base = step(model, lambda: model(x).sum(), None)
+    assert_same(base, step(model, lambda: model(x).sum(), off))
+    off.wait()
+    assert off.stats().live_entries == 0
+    off.close()
+
+
+_RANK = textwrap.dedent("""
+    import sys, torch, ssdtrain
+    torch.manual_seed(int(sys.argv[2]))
+    lin = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256))
+    x = torch.randn(128, 256)
+    g0 = torch.autograd.grad(lin(x).sum(), list(lin.parameters()))
+    off = ssdtrain.Offloader(lin, path=sys.argv[1], min_bytes=0)
+    for _ in range(20):
+        with off:
+            loss = lin(x).sum()
+        off.wait()
+        g = torch.autograd.grad(loss, list(lin.parameters()))
+        assert all(torch.equal(a, b) for a, b in zip(g, g0))
+    assert off.stats().written_bytes > 0
+    off.close()
+    print("ok")
+""")
+
+
+def test_processes_sharing_a_path(off_dir):
+    procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(off_dir), str(rank)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in range(3)]
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0 and out.strip() == "ok", err
+    assert list(off_dir.iterdir()) == []
+
+
+def _fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_soak_stays_flat(off_dir):
+    """200 small steps (benchmarks/soak.py runs 1000): descriptors, threads, RSS, disk stay flat."""
+    model = _model(layers=4, d=128)
+    x = torch.randn(32, 128)
+    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0)
+    arena = off._backend._arenas[0]
+    marks = {}
+    for i in range(200):
+        with off:
+            loss = model(x).sum()
+        if i % 2:
+            off.wait()
+        loss.backward()
+        if i in (20, 199):
+            off.wait()
+            marks[i] = (_fds(), threading.active_count(), _rss(), os.fstat(arena.fd).st_blocks,
+                        off.stats().live_disk_bytes, len(off._scopes))
+    (f0, t0, r0, b0, d0, s0), (f1, t1, r1, b1, d1, s1) = marks[20], marks[199]
+    assert f1 == f0 and t1 == t0
+    assert r1 - r0 < 16 << 20, (r0, r1)
+    assert b1 <= b0 + 64 and d1 == 0 and d0 == 0  # holes punched: the arena holds no stale blocks
+    assert s1 <= 1  # finished steps leave no scope behind
+    off.close()
