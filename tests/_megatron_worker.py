@@ -1,10 +1,12 @@
 """One pipeline stage of the Megatron-Core integration test (run by tests/test_megatron.py).
 
 Trains a tiny GPTModel (local layer spec) for a few steps with one of Megatron-Core's schedules,
-three times from the same initial weights and seed: unpatched, with ``ssdtrain`` patched in, and
-after ``unpatch()``. Writes ``rank<N>.json`` with exact comparisons (``torch.equal``) of the losses
-and every parameter's gradient at every step, the bytes this stage wrote, and whether Megatron's
-functions are the originals again.
+four times from the same initial weights and seed: unpatched; patched with everything offloaded
+(``min_bytes=0``); patched with everything kept in memory; and after ``unpatch()``. Writes
+``rank<N>.json`` with exact comparisons (``torch.equal``) of the losses and of every parameter's
+gradient at every step, the bytes this stage wrote and read, whether each backward was announced
+to the offloader (checked from below the patch by :class:`Spy`), whether files were left behind,
+and whether Megatron's functions are the originals again.
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 _megatron_worker.py \
         --schedule 1f1b --storage DIR --out DIR
