@@ -1,7 +1,9 @@
 """``ssdtrain probe``: the raw sequential bandwidth of a storage path, the yardstick for offloading.
 
 Writes ``size_bytes`` to a private temporary file in large aligned blocks with several requests in
-flight, then reads it back, with the page cache out of the way (``O_DIRECT``; when the filesystem
+flight, writes it again (the figure reported: offloading overwrites the same arena space step
+after step, while a first write also pays for block allocation, reported apart), then reads it
+back, with the page cache out of the way (``O_DIRECT``; when the filesystem
 refuses it, buffered I/O with ``fsync`` and the cache dropped, and a warning). Also reports the
 filesystem type, free space and capacity, and warns when a path is RAM-backed or on the network.
 
@@ -29,7 +31,8 @@ from ssdtrain.store import _fs
 __all__ = ["ProbeResult", "probe_path", "main"]
 
 Progress = Callable[[str, int, int], None]
-"""``progress(phase, done_bytes, total_bytes)``; phase is ``"write"`` or ``"read"``."""
+"""``progress(phase, done_bytes, total_bytes)``; phase is ``"alloc"`` (first write), ``"write"``
+or ``"read"``."""
 
 GB = 1e9
 
@@ -43,6 +46,7 @@ class ProbeResult:
     direct_io: bool
     """Whether the figures are O_DIRECT ones (False: buffered I/O with fsync, cache dropped)."""
     write_gbps: float
+    """Overwriting the file: the steady state of an offload arena."""
     read_gbps: float
     free_bytes: int
     total_bytes: int
@@ -54,6 +58,8 @@ class ProbeResult:
     threads: int = 0
     write_seconds: float = 0.0
     read_seconds: float = 0.0
+    first_write_gbps: float = 0.0
+    """Writing the file the first time, blocks being allocated (fresh arena space)."""
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -128,6 +134,8 @@ def probe_path(
                 "page cache dropped; the offloader will also run buffered there"
             )
         nblocks = size // block_bytes
+        first_s = _run(fd, nblocks, block_bytes, threads, write=True, direct=direct, progress=progress,
+                       phase="alloc")
         write_s = _run(fd, nblocks, block_bytes, threads, write=True, direct=direct, progress=progress)
         read_s = _run(fd, nblocks, block_bytes, threads, write=False, direct=direct, progress=progress)
     finally:
@@ -148,6 +156,7 @@ def probe_path(
         threads=threads,
         write_seconds=write_s,
         read_seconds=read_s,
+        first_write_gbps=size / first_s / GB,
     )
 
 
@@ -170,11 +179,11 @@ def _open_private(directory: str) -> tuple[int, bool]:
 
 
 def _run(fd: int, nblocks: int, block: int, threads: int, *, write: bool, direct: bool,
-         progress: Progress | None) -> float:
+         progress: Progress | None, phase: str | None = None) -> float:
     """One sequential pass over ``nblocks`` blocks; returns the seconds it took."""
     lock = threading.Lock()
     state = {"next": 0, "done": 0, "error": None}
-    phase = "write" if write else "read"
+    phase = phase or ("write" if write else "read")
     total = nblocks * block
 
     def worker(buf: mmap.mmap) -> None:
@@ -287,12 +296,12 @@ def _gib(n: int) -> str:
 
 def format_table(results: Sequence[ProbeResult]) -> str:
     """The human-readable table ``ssdtrain probe`` prints."""
-    head = ("path", "fs", "O_DIRECT", "write GB/s", "read GB/s", "free", "capacity", "DWPD")
+    head = ("path", "fs", "O_DIRECT", "write GB/s", "read GB/s", "first write", "free", "capacity", "DWPD")
     rows = [head]
     for r in results:
         rows.append((
             r.path, r.fs_type, "yes" if r.direct_io else "no", f"{r.write_gbps:.2f}", f"{r.read_gbps:.2f}",
-            _gib(r.free_bytes), _gib(r.total_bytes),
+            f"{r.first_write_gbps:.2f}", _gib(r.free_bytes), _gib(r.total_bytes),
             "-" if r.drive_writes_per_day is None else f"{r.drive_writes_per_day:.2f}",
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]

@@ -23,7 +23,8 @@ def test_probe_measures_and_leaves_nothing(tmp_path):
     assert 0 < r.free_bytes <= r.total_bytes
     assert r.drive_writes_per_day is None
     assert list(tmp_path.iterdir()) == []
-    assert {p for p, _, _ in seen} == {"write", "read"}
+    assert {p for p, _, _ in seen} == {"alloc", "write", "read"}
+    assert r.first_write_gbps > 0
     assert ("write", 4 << 20, 4 << 20) in seen and ("read", 4 << 20, 4 << 20) in seen
 
 
@@ -125,3 +126,24 @@ def test_progress_bar_draws_on_a_terminal():
     bar("write", 2, 2)
     bar.finish()
     assert "50%" in s.getvalue() and "100%" in s.getvalue()
+
+
+def test_io_throughput_benchmark_smoke(tmp_path, capsys):
+    """benchmarks/io_throughput.py at a tiny size, so that it cannot rot."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "io_throughput.py"
+    spec = importlib.util.spec_from_file_location("_io_throughput", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "bench.json"
+    rc = mod.main(["--path", str(tmp_path), "--size", "2MiB", "--tensor", "1MiB", "--rounds", "1",
+                   "--chunk", "1MiB", "--io-threads", "2", "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert set(res["median_gbps"]) == {"raw", "backend", "offloader"}
+    assert set(res["ratio_to_raw"]) == {"backend", "offloader"}
+    assert all(w > 0 and r > 0 for w, r in res["median_gbps"].values())
+    assert "write/raw" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == [out]
