@@ -22,8 +22,9 @@ What the table reports, per mode:
   checkpointing holds: each block's input until that block's backward is done, and one block's
   activations (measured on a single block) while it is recomputed.
 * **peak RSS growth** - the process's resident set sampled from ``/proc/self/statm`` every
-  ~2 ms during each timed step, max minus the value at the step's start (after ``malloc_trim``
-  so memory freed by earlier steps is returned first); max over the timed steps.
+  ~2 ms during each timed step, max minus the value at the step's start; max over the timed
+  steps. So that RSS follows live memory, the bench sets glibc's mmap threshold to 1 MiB (large
+  tensors go back to the system when freed) and calls ``malloc_trim`` before each step.
 * **written / read** - bytes per step to and from the drive; **write / read GB/s** - those
   over the median step time, beside the drive's raw O_DIRECT bandwidth measured by the probe at
   the start of the same run; **stall** - median seconds per step compute waited on I/O.
@@ -33,16 +34,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import ctypes
-import ctypes.util
 import datetime
 import json
-import logging
 import os
 import platform
 import statistics
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -50,12 +47,12 @@ from typing import Any
 
 import torch
 
+from ssdtrain._measure import RssSampler, SavedMeter, block_saved_bytes, malloc_trimmer, mmap_large_allocations
 from ssdtrain._progress import Progress
 from ssdtrain.models import GPT, GPTConfig, preset
 
 __all__ = ["MODES", "BenchArgs", "format_table", "main", "run"]
 
-logger = logging.getLogger(__name__)
 
 MODES = ("baseline", "recompute", "offload")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -90,195 +87,6 @@ class BenchArgs:
 def _default_work_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "ssdtrain", "bench")
-
-
-# --- measuring ----------------------------------------------------------------------------------
-
-class _Held:
-    """What the saved-bytes counter hands autograd: the tensor, and a release on collection."""
-
-    __slots__ = ("tensor", "meter", "key", "__weakref__")
-
-    def __init__(self, tensor: torch.Tensor, meter: _SavedMeter, key: int) -> None:
-        self.tensor, self.meter, self.key = tensor, meter, key
-
-    def __del__(self) -> None:
-        self.meter._release(self.key)
-
-
-class _SavedMeter:
-    """Live bytes of unique storages saved for backward, with their peak and a timeline.
-
-    Used in one untimed step per mode: timed steps run with no hooks at all. Parameters and
-    buffers are excluded (they are not activations). A storage counts once however many saves
-    (views) refer to it, until the last of them is released by autograd.
-    """
-
-    def __init__(self, model: torch.nn.Module, *, recompute_block_bytes: int = 0) -> None:
-        self._excluded = {t.untyped_storage().data_ptr() for t in model.parameters()}
-        self._excluded |= {t.untyped_storage().data_ptr() for t in model.buffers()}
-        self._live: dict[int, list[int]] = {}
-        self._lock = threading.Lock()
-        self.bytes = 0
-        self.peak = 0
-        self.t0 = time.perf_counter()
-        self.timeline: list[tuple[float, int]] = [(self.t0, 0)]
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._handles: list[Any] = []
-        if recompute_block_bytes:
-            self._block_bytes = recompute_block_bytes
-            for block in model.blocks:
-                self._handles.append(block.register_forward_pre_hook(self._block_pre))
-
-    # saved_tensors_hooks
-    def _pack(self, t: torch.Tensor) -> Any:
-        key = self._acquire(t)
-        return t if key is None else _Held(t, self, key)
-
-    @staticmethod
-    def _unpack(held: Any) -> torch.Tensor:
-        return held.tensor if isinstance(held, _Held) else held
-
-    def _acquire(self, t: torch.Tensor, extra: int = 0) -> int | None:
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key in self._excluded or storage.nbytes() == 0:
-            return None
-        with self._lock:
-            entry = self._live.get(key)
-            if entry is None:
-                self._live[key] = [1, storage.nbytes()]
-                self._change(storage.nbytes())
-            else:
-                entry[0] += 1
-        return key
-
-    def _release(self, key: int) -> None:
-        with self._lock:
-            entry = self._live.get(key)
-            if entry is None:
-                return
-            entry[0] -= 1
-            if entry[0] == 0:
-                del self._live[key]
-                self._change(-entry[1])
-
-    def _change(self, delta: int) -> None:
-        self.bytes += delta
-        self.peak = max(self.peak, self.bytes)
-        self.timeline.append((time.perf_counter(), self.bytes))
-
-    # Non-reentrant checkpoint saves through hooks of its own (innermost wins), so for the
-    # recompute mode we account for what it holds instead: the block's input, kept by the
-    # checkpoint frame until the block's backward is done, and while the block is recomputed
-    # in backward, its activations (``recompute_block_bytes``, measured on one block).
-    def _block_pre(self, module: torch.nn.Module, args: tuple) -> None:
-        x = args[0]
-        if torch._C._current_graph_task_id() != -1:  # recomputation, inside backward
-            with self._lock:
-                self._change(self._block_bytes)
-            module._ssdtrain_bench_recomputed = True
-            return
-        if not (isinstance(x, torch.Tensor) and x.requires_grad):
-            return
-        key = self._acquire(x)
-        module._ssdtrain_bench_recomputed = False
-
-        def done(grad: torch.Tensor) -> None:
-            if key is not None:
-                self._release(key)
-            if getattr(module, "_ssdtrain_bench_recomputed", False):
-                module._ssdtrain_bench_recomputed = False
-                with self._lock:
-                    self._change(-self._block_bytes)
-
-        x.register_hook(done)
-
-    def __enter__(self) -> _SavedMeter:
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
-
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-
-
-def _block_saved_bytes(block: torch.nn.Module, batch: int, seq: int, hidden: int, dtype) -> int:
-    """Unique bytes one block saves for backward (what recomputing it brings back)."""
-    x = torch.randn(batch, seq, hidden, dtype=dtype, requires_grad=True)
-    meter = _SavedMeter(block)
-    with meter:
-        y = block(x)
-    peak = meter.peak
-    del y
-    return peak
-
-
-class _RssSampler:
-    """Samples this process's resident set on a thread; ``peak_growth`` since ``start``."""
-
-    def __init__(self, interval: float = 0.002) -> None:
-        self.interval = interval
-        self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-        try:
-            self._fd: int | None = os.open("/proc/self/statm", os.O_RDONLY)
-        except OSError:
-            self._fd = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.start_rss = 0
-        self.peak_rss = 0
-
-    @property
-    def available(self) -> bool:
-        return self._fd is not None
-
-    def rss(self) -> int:
-        raw = os.pread(self._fd, 128, 0)
-        return int(raw.split()[1]) * self._page
-
-    def start(self) -> None:
-        if self._fd is None:
-            return
-        self.start_rss = self.peak_rss = self.rss()
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="ssdtrain-bench-rss", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.peak_rss = max(self.peak_rss, self.rss())
-
-    def stop(self) -> int | None:
-        """Stops sampling; returns the peak growth in bytes (``None`` without /proc)."""
-        if self._fd is None or self._thread is None:
-            return None
-        self._stop.set()
-        self._thread.join()
-        self._thread = None
-        self.peak_rss = max(self.peak_rss, self.rss())
-        return self.peak_rss - self.start_rss
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-
-def _malloc_trimmer():
-    """``malloc_trim(0)`` from glibc, or a no-op elsewhere."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return lambda: None
-    trim.argtypes = [ctypes.c_size_t]
-    return lambda: trim(0)
 
 
 # --- the modes ----------------------------------------------------------------------------------
@@ -333,7 +141,7 @@ class _Mode:
         self.opt.step()
         return float(loss.detach())
 
-    def timed_step(self, tokens, targets, sampler: _RssSampler, trim) -> _Step:
+    def timed_step(self, tokens, targets, sampler: RssSampler, trim) -> _Step:
         before = self.off.stats() if self.off is not None else None
         if self.off is not None:
             self.off.reset_peak()
@@ -365,7 +173,7 @@ class _Mode:
             peak = self.off.stats().peak_resident_bytes
             points = [(t - t0, b) for t, b in points if t >= t0]
         else:
-            meter = _SavedMeter(self.model, recompute_block_bytes=block_bytes if self.model.recompute else 0)
+            meter = SavedMeter(self.model, recompute_block_bytes=block_bytes if self.model.recompute else 0)
             t0 = meter.t0
             try:
                 with meter:
@@ -475,8 +283,9 @@ def run(args: BenchArgs) -> dict:
         result["offload"] = {"backend": modes["offload"].off.backend,
                              "config": _config_dict(modes["offload"].off.config)}
 
-    sampler = _RssSampler()
-    trim = _malloc_trimmer()
+    mmap_large_allocations()
+    sampler = RssSampler()
+    trim = malloc_trimmer()
     steps: dict[str, list[_Step]] = {name: [] for name in modes}
     rounds = 1 + args.steps
     bar = Progress(total=rounds * len(modes) + len(modes), label="bench", enabled=args.progress)
@@ -494,7 +303,7 @@ def run(args: BenchArgs) -> dict:
         block_bytes = 0
         if "recompute" in modes:
             m = modes["recompute"].model
-            block_bytes = _block_saved_bytes(m.blocks[0], args.batch, cfg.seq, cfg.hidden, dtype)
+            block_bytes = block_saved_bytes(m.blocks[0], args.batch, cfg.seq, cfg.hidden, dtype)
         measured = {}
         for name, mode in modes.items():
             bar.draw(f"{name} memory timeline", force=True)
@@ -525,7 +334,7 @@ def _summarize(steps: dict[str, list[_Step]], measured: dict, drive: dict) -> di
     for name, ss in steps.items():
         t = statistics.median(s.seconds for s in ss)
         if name == "offload":
-            peak_saved = max(s.peak_saved or 0 for s in ss)
+            peak_saved = max(s.peak_saved or 0 for s in ss)  # the worst step: what memory must hold
         else:
             peak_saved = measured[name][0]
         rss = [s.rss_growth for s in ss if s.rss_growth is not None]
@@ -536,6 +345,8 @@ def _summarize(steps: dict[str, list[_Step]], measured: dict, drive: dict) -> di
             "step_times_s": [s.seconds for s in ss],
             "peak_saved_bytes": peak_saved,
             "peak_rss_bytes": max(rss) if rss else None,
+            "peak_rss_bytes_per_step": rss,
+            "peak_saved_bytes_per_step": [s.peak_saved for s in ss] if name == "offload" else None,
             "written_bytes": written,
             "read_bytes": read,
             "write_gbps": written / t / GB,

@@ -7,9 +7,15 @@ import sys
 import pytest
 import torch
 
-from ssdtrain import bench
+from ssdtrain import _measure, bench
 from ssdtrain._progress import Progress
 from ssdtrain.models import GPT, GPTConfig
+
+@pytest.fixture(autouse=True)
+def _keep_malloc_settings(monkeypatch):
+    """The bench fixes glibc's mmap threshold process-wide; keep the test process as it was."""
+    monkeypatch.setattr(bench, "mmap_large_allocations", lambda *a, **k: False)
+
 
 KEYS = ("step_time_s", "peak_saved_bytes", "peak_rss_bytes", "written_bytes", "read_bytes", "stall_s")
 
@@ -85,7 +91,7 @@ def test_saved_meter_counts_unique_storages_until_freed():
     torch.manual_seed(0)
     lin = torch.nn.Linear(16, 16)
     x = torch.randn(8, 16, requires_grad=True)
-    meter = bench._SavedMeter(lin)
+    meter = _measure.SavedMeter(lin)
     with meter:
         h = lin(x)  # saves x (and the weight, excluded)
         y = (h * h).sum() + (h[:4] * 2).sum()  # h saved twice (as self and other): counted once
@@ -102,13 +108,13 @@ def test_saved_meter_on_recompute_adds_block_inputs_and_recomputed_block():
     torch.manual_seed(0)
     model = GPT(cfg)
     x = torch.randint(0, cfg.vocab, (2, cfg.seq))
-    base = bench._SavedMeter(model)
+    base = _measure.SavedMeter(model)
     with base:
         model(x, x).backward()
     model.zero_grad()
     model.recompute = True
-    block_bytes = bench._block_saved_bytes(model.blocks[0], 2, cfg.seq, cfg.hidden, torch.float32)
-    rec = bench._SavedMeter(model, recompute_block_bytes=block_bytes)
+    block_bytes = _measure.block_saved_bytes(model.blocks[0], 2, cfg.seq, cfg.hidden, torch.float32)
+    rec = _measure.SavedMeter(model, recompute_block_bytes=block_bytes)
     with rec:
         model(x, x).backward()
     rec.close()
@@ -119,7 +125,7 @@ def test_saved_meter_on_recompute_adds_block_inputs_and_recomputed_block():
 
 
 def test_rss_sampler_sees_growth():
-    sampler = bench._RssSampler()
+    sampler = _measure.RssSampler()
     if not sampler.available:
         pytest.skip("no /proc/self/statm")
     sampler.start()
