@@ -65,7 +65,7 @@ class GPTConfig:
 PRESETS: dict[str, GPTConfig] = {
     # Tiny: a whole `ssdtrain bench --quick` (three modes, a few steps each) in seconds.
     "quick": GPTConfig(vocab=512, seq=128, layers=4, hidden=128, heads=4),
-    # A step (batch 8) takes a few seconds on 2 CPU cores; activations dwarf the weights.
+    # A step (batch 4, the bench default) takes a few seconds on 2 CPU cores.
     "default": GPTConfig(vocab=8192, seq=512, layers=8, hidden=512, heads=8),
 }
 
