@@ -90,8 +90,11 @@ class Entry:
         self.index = -1
         self.state = State.KEPT
         self.data: torch.Tensor | None = byte_view(storage, lo, hi - lo, t.device)
-        self.guard: torch.Tensor | None = t
-        self.guard_weak: weakref.ref | None = None
+        # The version counter is shared by ``t`` and its detached alias. Holding ``t`` itself would
+        # tie an op's output to its own grad_fn through C++ (a cycle no collector can break), so
+        # the entry holds the alias strongly while the bytes matter, and ``t`` only weakly.
+        self.guard: torch.Tensor | None = t.detach()
+        self.guard_weak: weakref.ref | None = weakref.ref(t)
         self.extent = None
         self.checksum = None
         self.write_future = None
@@ -136,11 +139,6 @@ class Entry:
 
     def release_memory(self) -> None:
         """Drops the in-memory copy (after it is safely on storage)."""
-        if self.guard is not None:
-            try:
-                self.guard_weak = weakref.ref(self.guard)
-            except TypeError:  # pragma: no cover - every torch.Tensor takes weak references
-                self.guard_weak = None
         self.guard = None
         self.data = None
 

@@ -9,6 +9,7 @@ completion callback. Reads are polled by the thread that needs them, never calle
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 import logging
 import threading
@@ -42,8 +43,9 @@ class Offloader:
     """Offloads the activations saved for backward inside ``with off:`` (or ``off.microbatch(i)``).
 
     Args:
-        model: the model being trained (optional). Its parameters and buffers are never written;
-            its repeated blocks tag saves for ``keep_last_layers`` and block-wise prefetch.
+        model: the model being trained (optional), or its chunks in layer order (interleaved
+            pipelines). Parameters and buffers are never written; its repeated blocks tag saves for
+            ``keep_last_layers`` and block-wise prefetch.
         config: an :class:`OffloadConfig` (or a mapping of its fields).
         store: a ready :class:`~ssdtrain.store.Backend` to use instead of the one ``backend``
             names (custom storage; the tests use a store whose I/O they complete by hand).
@@ -63,7 +65,7 @@ class Offloader:
         off.close()
     """
 
-    def __init__(self, model: nn.Module | None = None, config: OffloadConfig | Mapping | None = None, *,
+    def __init__(self, model: nn.Module | list[nn.Module] | None = None, config: OffloadConfig | Mapping | None = None, *,
                  store: Backend | None = None, **overrides: Any) -> None:
         if config is None:
             config = OffloadConfig.from_dict(overrides)
@@ -74,11 +76,19 @@ class Offloader:
                 raise TypeError(f"config must be an OffloadConfig or a mapping, not {type(config).__name__}")
             if overrides:
                 config = config.replace(**overrides)
-        if model is not None and not isinstance(model, nn.Module):
-            raise TypeError(f"model must be an nn.Module (or None), not {type(model).__name__}")
+        if model is None:
+            models: list[nn.Module] = []
+        elif isinstance(model, nn.Module):
+            models = [model]
+        elif isinstance(model, (list, tuple)) and model and all(isinstance(m, nn.Module) for m in model):
+            models = list(model)  # model chunks (interleaved pipelines), first layers first
+        else:
+            raise TypeError(f"model must be an nn.Module, a list of them (model chunks), or None; "
+                            f"not {type(model).__name__}")
         self.config = config
         self.model = model
-        self._blocks = find_blocks(model, config.layers) if model is not None else []
+        self._models = models
+        self._blocks = [b for m in models for b in find_blocks(m, config.layers)]
         if config.keep_last_layers and not self._blocks:
             raise ValueError(
                 f"keep_last_layers={config.keep_last_layers} needs blocks to count from: pass model= with an "
@@ -146,7 +156,7 @@ class Offloader:
         self._safe_point(raise_errors=False)
         with self._lock:
             scope = self._scopes.get(mb_id)
-            if scope is not None:
+            if scope is not None and not scope.backward_started:
                 self._begin_backward(scope)
 
     def wait(self) -> None:
@@ -216,9 +226,9 @@ class Offloader:
     def _activate(self, scope: Scope) -> None:
         self._check_open()
         self._safe_point(raise_errors=True)
-        if self.model is not None:
-            self._pinned = frozenset(
-                t.untyped_storage()._cdata for t in itertools.chain(self.model.parameters(), self.model.buffers()))
+        if self._models:
+            self._pinned = frozenset(t.untyped_storage()._cdata for m in self._models
+                                     for t in itertools.chain(m.parameters(), m.buffers()))
         self._layer_stack.clear()
         with self._lock:
             self._scopes[scope.id] = scope
@@ -263,7 +273,7 @@ class Offloader:
 
     def _pack(self, t: torch.Tensor) -> Any:
         if self._keeps_as_is(t):
-            return t
+            return _as_is(t)
         with profiled("ssdtrain.pack"):
             self._safe_point(raise_errors=True)
             scope = self._scope_stack[-1] if self._scope_stack else self._orphan_scope()
@@ -539,7 +549,9 @@ class Offloader:
                 if e.data is not None:
                     return self._forward(e, ref)
                 if e.error is not None:
-                    raise e.error
+                    # A fresh copy each time: a raised exception keeps its traceback, and the
+                    # frames in it (holding saved references) must not live on in the entry.
+                    raise copy.copy(e.error).with_traceback(None)
                 buf = e.loaded if e.loaded is not None else (e.loaded_weak() if e.loaded_weak else None)
                 fut = None
                 if buf is None:
@@ -648,8 +660,19 @@ def offload(model: nn.Module | None = None, **overrides: Any) -> Offloader:
 def no_offload() -> Iterator[None]:
     """Tensors saved inside stay in memory, even within an offloading region."""
     # Innermost saved-tensor hooks win: identity hooks shadow any offloader's.
-    with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
+    with torch.autograd.graph.saved_tensors_hooks(_as_is, _identity):
         yield
+
+
+def _as_is(t: torch.Tensor) -> torch.Tensor:
+    """What a pack hook returns to keep a tensor in memory.
+
+    Not the output tensor itself: the graph would then hold its own output (a reference cycle
+    through C++), and frameworks that later swap that output's ``.data`` to free it (Megatron's
+    ``deallocate_output_tensor``) would swap the saved bytes too. A detached alias shares the
+    storage and the version counter, and neither problem.
+    """
+    return t if t.is_leaf else t.detach()
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:

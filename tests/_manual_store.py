@@ -84,9 +84,13 @@ class ManualStore(Backend):
                 self.complete_read(i)
                 return
 
-    def complete_read(self, i: int) -> None:
+    def complete_read(self, i: int, *, fail: bool = False) -> None:
         extent, dst, fut = self.pending_reads.pop(i)
         assert extent.offset in self.blobs, "read of an extent that was never written"
+        if fail:
+            dst.fill_(0xEE)  # whatever a failed read leaves behind must never be used
+            fut.set_exception(StorageError(5, "Input/output error (injected)"))
+            return
         dst.copy_(self.blobs[extent.offset])
         fut.set_result(None)
 

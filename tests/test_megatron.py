@@ -252,8 +252,6 @@ def test_deallocated_output_keeps_exact_gradients(schedules, tmp_path, case):
         assert stats.written_bytes == 0 and stats.kept_bytes >= out_bytes
 
 
-@pytest.mark.xfail(strict=True, reason="core: no_offload() packs by identity, so Megatron's .data swap "
-                                        "reaches the saved output (should save t.detach() for non-leaves)")
 def test_deallocated_output_saved_inside_no_offload(schedules, tmp_path):
     want = _stage_grads(schedules, None, "reference")
     off = ssdtrain.Offloader(path=str(tmp_path), backend="memory", min_bytes=0)

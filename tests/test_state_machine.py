@@ -30,7 +30,10 @@ class EngineMachine(RuleBasedStateMachine):
         self.refs = []      # (ref, expected value, tag of the tensor it was saved from)
         self.modified = set()  # tags of tensors modified in place (holding no reference to them)
         self.counter = 0
+        self.failed_reads = 0
+        self.closed = False
 
+    @precondition(lambda self: not self.closed)
     @rule(n=st.sampled_from([8, 40, 300, 1000]), mb=st.integers(0, 2), keep_alive=st.booleans())
     def pack_new(self, n, mb, keep_alive):
         self.counter += 1
@@ -41,7 +44,7 @@ class EngineMachine(RuleBasedStateMachine):
         if keep_alive:
             self.tensors.append((t, self.counter))
 
-    @precondition(lambda self: self.tensors)
+    @precondition(lambda self: self.tensors and not self.closed)
     @rule(data=st.data(), view=st.sampled_from(["same", "slice", "t", "int"]), mb=st.integers(0, 2))
     def pack_again(self, data, view, mb):
         t, tag = self.tensors[data.draw(st.integers(0, len(self.tensors) - 1))]
@@ -71,10 +74,25 @@ class EngineMachine(RuleBasedStateMachine):
         self.store.complete_write(i, fail=fail and data.draw(st.integers(0, 3)) == 0)
 
     @precondition(lambda self: self.store.pending_reads)
-    @rule(data=st.data())
-    def complete_read(self, data):
-        self.store.complete_read(data.draw(st.integers(0, len(self.store.pending_reads) - 1)))
+    @rule(data=st.data(), fail=st.booleans())
+    def complete_read(self, data, fail):
+        fail = fail and data.draw(st.integers(0, 2)) == 0
+        self.failed_reads += fail
+        self.store.complete_read(data.draw(st.integers(0, len(self.store.pending_reads) - 1)), fail=fail)
 
+    @rule()
+    def look(self):
+        self.off.stats()  # a safe point; also keeps a rule available once everything is gone
+
+    @precondition(lambda self: not self.closed)
+    @rule()
+    def close(self):
+        while self.store.pending_writes:  # close() waits for writes in flight: let the drive finish them
+            self.store.complete_write(0)
+        self.off.close()
+        self.closed = True
+
+    @precondition(lambda self: not self.closed)
     @rule(mb=st.integers(0, 2))
     def backward_begins(self, mb):
         self.off.prefetch(mb)
@@ -86,7 +104,13 @@ class EngineMachine(RuleBasedStateMachine):
         ref, expected, tag = self.refs[data.draw(st.integers(0, len(self.refs) - 1))]
         try:
             got = self.off._unpack(ref)
+        except ssdtrain.StorageError as e:
+            assert self.failed_reads > 0, e  # only an injected read failure may surface
+            self.failed_reads -= 1
+            return
         except RuntimeError as e:
+            if self.closed and "closed" in str(e):
+                return  # on storage when the offloader was closed: a clear error, never data
             assert INPLACE in str(e), e
             assert tag in self.modified, "raised though nothing was modified"
             return
