@@ -207,3 +207,21 @@ def test_backward_after_with_block_and_graph_dropped(off_dir):
     base = step(model, lambda: model(x).sum(), None)
     assert_same(base, step(model, lambda: model(x).sum(), off, wait=True))
     off.close()
+
+
+def test_dropped_graph_of_kept_outputs_is_collected(off_dir):
+    """Saved outputs kept in memory must not tie the graph to itself (a leak no collector breaks)."""
+    import gc
+    import weakref
+
+    off = ssdtrain.Offloader(path=str(off_dir), min_bytes="1GiB")  # everything kept in memory
+    x = torch.randn(64, 64, requires_grad=True)
+    with off:
+        ys = [(x * i).tanh() for i in range(3)]  # tanh saves its own output
+        loss = sum(y.sum() for y in ys)
+    alive = [weakref.ref(y) for y in ys]
+    del ys, loss
+    gc.collect()
+    assert all(w() is None for w in alive)
+    assert off.stats().live_entries == 0
+    off.close()
