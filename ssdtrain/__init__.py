@@ -2,13 +2,13 @@
 ahead of need.
 
 Importing this package has no side effects: it initialises no CUDA, patches nothing and
-configures no logging.
+configures no logging. Its names load on first use, so ``ssdtrain plan`` starts without torch.
 """
 
-from ssdtrain.config import OffloadConfig
-from ssdtrain.offloader import Offloader, no_offload, offload
-from ssdtrain.stats import OffloadStats
-from ssdtrain.store.base import ChecksumError, StorageError
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __all__ = [
     "ChecksumError",
@@ -21,3 +21,31 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+_WHERE = {
+    "OffloadConfig": "ssdtrain.config",
+    "Offloader": "ssdtrain.offloader",
+    "offload": "ssdtrain.offloader",
+    "no_offload": "ssdtrain.offloader",
+    "OffloadStats": "ssdtrain.stats",
+    "StorageError": "ssdtrain.store.base",
+    "ChecksumError": "ssdtrain.store.base",
+}
+
+if TYPE_CHECKING:
+    from ssdtrain.config import OffloadConfig
+    from ssdtrain.offloader import Offloader, no_offload, offload
+    from ssdtrain.stats import OffloadStats
+    from ssdtrain.store.base import ChecksumError, StorageError
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        value = getattr(importlib.import_module(_WHERE[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ssdtrain' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -589,8 +589,7 @@ class Offloader:
         for e in scope.queued():
             self._cancel_write(e)
             self._counters.add(scope.stats_id, "adaptive_keep_bytes", e.nbytes)
-        if scope.order:
-            self._prefetch(scope, len(scope.order) - 1, scope.order[-1].layer)
+        self._prefetch(scope, len(scope.order) - 1, None)
 
     def _prefetch(self, scope: Scope, start: int, layer: int | None) -> None:
         cfg = self.config

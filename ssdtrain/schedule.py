@@ -30,10 +30,13 @@ class Scope:
         self.live_entries = 0
         self.cursor = -1
         self.ahead = 0
+        self.top_layer: int | None = None
 
     def add(self, entry: Entry) -> None:
         entry.index = len(self.order)
         self.order.append(entry)
+        if entry.layer is not None and (self.top_layer is None or entry.layer > self.top_layer):
+            self.top_layer = entry.layer
 
     def queued(self) -> list[Entry]:
         """Entries whose write has not started, most recently packed first."""
@@ -53,6 +56,9 @@ class Scope:
         """
         if start < self.cursor:
             self.cursor = start
+        if layer is None:
+            # Above the blocks (head, loss): the window counts from the top block.
+            layer = self.top_layer
         picked: list[Entry] = []
         while self.cursor >= 0 and self.ahead < max_bytes:
             e = self.order[self.cursor]

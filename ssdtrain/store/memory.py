@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import threading
 import zlib
@@ -45,7 +46,8 @@ class MemoryBackend(Backend):
                 blob = device.pinned_empty(extent.nbytes)
                 device.copy_on_side_stream(blob, src)
             else:
-                blob = src.clone()
+                blob = torch.empty(extent.nbytes, dtype=torch.uint8)
+                ctypes.memmove(blob.data_ptr(), src.data_ptr(), extent.nbytes)  # no OpenMP team here
             with self._lock:
                 self._blobs[extent.offset] = blob
                 self._written += extent.nbytes
@@ -64,7 +66,7 @@ class MemoryBackend(Backend):
             if device.is_cuda(dst):
                 device.copy_on_side_stream(dst, blob)
             else:
-                dst.copy_(blob)
+                ctypes.memmove(dst.data_ptr(), blob.data_ptr(), extent.nbytes)
         return self._pool.submit(work)
 
     def written_bytes_by_path(self) -> dict[str, int]:

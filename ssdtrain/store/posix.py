@@ -9,6 +9,7 @@ tensor to the drive; others pass through a page-aligned staging buffer of the I/
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import mmap
@@ -243,7 +244,9 @@ class PosixBackend(Backend):
                 mv, fd, length = host_view(src, start, n), arena.fd_direct, n
             elif arena.direct:
                 mm, staged = _staging(n)
-                staged[:n].copy_(src[start:start + n])
+                # Note [no torch ops on I/O threads]: a torch copy here would start an OpenMP team
+                # per I/O thread, spinning against the compute threads on the same cores.
+                ctypes.memmove(staged.data_ptr(), src.data_ptr() + start, n)
                 mv, fd, length = memoryview(mm), arena.fd_direct, align_up(n)
             else:
                 mv, fd, length = host_view(src, start, n), arena.fd, n
@@ -303,7 +306,7 @@ class PosixBackend(Backend):
                 if device.is_cuda(dst):
                     device.copy_on_side_stream(dst[start:start + n], staged[:n])
                 else:
-                    dst[start:start + n].copy_(staged[:n])
+                    ctypes.memmove(dst.data_ptr() + start, staged.data_ptr(), n)
         except OSError as e:
             raise arena.error("read", n, offset, e) from e
         if crc is not None and zlib.crc32(payload) != crc:
