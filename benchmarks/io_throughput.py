@@ -110,7 +110,8 @@ class OffloaderRun:
     """End to end: a training step whose saved tensors are the activations, through one
     :class:`ssdtrain.Offloader` kept for all rounds (the first, untimed step warms it up).
 
-    Write: from the first pack to ``wait()``. Read: the backward, whose compute is negligible.
+    Write: from the first pack to ``wait()`` (inside the ``with`` block, so that nothing is kept
+    in memory). Read: the backward, whose compute is negligible.
     """
 
     def __init__(self, cfg: OffloadConfig, acts: list[torch.Tensor], *, check: bool) -> None:
@@ -130,7 +131,9 @@ class OffloaderRun:
             for a in self.acts:
                 h = _Save.apply(h, a)
             loss = h.sum()
-        off.wait()
+            # Inside the block: leaving it starts backward, which keeps whatever is still
+            # queued in memory (adaptive keep); this step measures the drive, so write it all.
+            off.wait()
         write_s = time.perf_counter() - start
         mid = off.stats()
         if mid.written_bytes - before.written_bytes != self.total:
