@@ -95,12 +95,12 @@ class HostBufferPool:
         return torch.frombuffer(arr, dtype=torch.uint8)[lead:lead + nbytes]
 
     def _give_back(self, mm: mmap.mmap, size: int) -> None:
+        # Runs while the buffer object dies, before it has released ``mm``: never close it here.
+        # A mapping not kept is unmapped when its last reference goes.
         with self._lock:
             if not self._closed and self._idle_bytes + size <= self.limit:
                 self._idle.setdefault(size, []).append(mm)
                 self._idle_bytes += size
-                return
-        mm.close()
 
     def close(self) -> None:
         """Drops the idle buffers; buffers still in use are unmapped when their tensors die."""
@@ -109,4 +109,7 @@ class HostBufferPool:
             idle, self._idle, self._idle_bytes = self._idle, {}, 0
         for mms in idle.values():
             for mm in mms:
-                mm.close()
+                try:
+                    mm.close()
+                except BufferError:  # still exported by a dying buffer: unmapped with it
+                    pass
