@@ -102,7 +102,12 @@ class Offloader:
         self._completed: deque = deque()
         self._write_queue: deque = deque()
         self._writing = 0
-        self._max_writing = 2 * config.io_threads * len(config.paths)
+        self._writing_bytes = 0
+        self._late_frees = 0  # extents of freed entries still being read into a dropped buffer
+        # Writes handed to the backend at once: enough to keep every I/O thread busy, few enough
+        # that the rest stays queued: cancellable when backward wants it first (adaptive keep),
+        # and not in the way of reads.
+        self._max_writing_bytes = 2 * config.chunk_bytes * config.io_threads * len(config.paths)
         self._inflight_bytes = 0
         self._disk_bytes = 0
         self._counters = Counters()
@@ -135,7 +140,13 @@ class Offloader:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        scope = self._scope_stack[-1]
         self._deactivate(raise_errors=exc_type is None)
+        if exc_type is None:
+            # Forward is over and backward comes next: keep what is still queued, start reading.
+            with self._lock:
+                if not scope.backward_started:
+                    self._begin_backward(scope)
 
     @contextlib.contextmanager
     def microbatch(self, mb_id: Any) -> Iterator[Offloader]:
@@ -160,12 +171,21 @@ class Offloader:
                 self._begin_backward(scope)
 
     def wait(self) -> None:
-        """Blocks until every write issued so far is on storage (or has failed)."""
+        """Blocks until every write issued so far is on storage (or has failed), and its memory
+        is released; backward then reads back what it needs, ahead of need. Space of entries
+        that died while a read into them was in flight is returned too."""
+        self._drain()  # references already dropped free their extents (or schedule it) first
         self._pump()
         with self._lock:
-            while self._write_queue or self._writing:
+            while self._write_queue or self._writing or self._late_frees:
                 self._cond.wait(timeout=1.0)
+            armed = [s for s in self._scopes.values() if s.armed]
+            for scope in armed:
+                scope.restart()  # the window kept what it passed in memory; release it too
         self._safe_point(raise_errors=True)
+        with self._lock:
+            for scope in armed:
+                self._prefetch(scope, None)
 
     def stats(self) -> OffloadStats:
         """Counters since creation (see :class:`OffloadStats`)."""
@@ -362,11 +382,12 @@ class Offloader:
         """Starts queued writes, oldest first, up to the number the backend keeps in flight."""
         batch = []
         with self._lock:
-            while self._write_queue and self._writing < self._max_writing:
+            while self._write_queue and (not self._writing or self._writing_bytes < self._max_writing_bytes):
                 e = self._write_queue.popleft()
                 if e.state is State.QUEUED:
                     e.state = State.WRITING
                     self._writing += 1
+                    self._writing_bytes += e.nbytes
                     batch.append(e)
         for e in batch:
             try:
@@ -374,6 +395,7 @@ class Offloader:
             except Exception as err:  # the pool is gone (closing) or the backend refused
                 with self._lock:
                     self._writing -= 1
+                    self._writing_bytes -= e.nbytes
                     self._inflight_bytes -= e.nbytes
                     self._write_failed(e, err)
                     self._cond.notify_all()
@@ -386,6 +408,7 @@ class Offloader:
         err = fut.exception()
         with self._lock:
             self._writing -= 1
+            self._writing_bytes -= e.nbytes
             self._inflight_bytes -= e.nbytes
             e.write_future = None
             if err is not None:
@@ -472,8 +495,8 @@ class Offloader:
                 e = self._completed.popleft()
                 if e.state is State.WRITTEN:
                     e.check_version()
-                    if e.scope.backward_started and e.index > e.scope.cursor:
-                        continue  # backward is about to need it, and prefetch went past it: keep it
+                    if e.counted_ahead:
+                        continue  # inside the read-ahead window: backward needs it soon, keep it
                     e.release_memory()
                     e.state = State.ON_DISK
                     self._counters.resident(-e.nbytes)
@@ -504,6 +527,7 @@ class Offloader:
             # The read still fills its buffer: give the extent back only when it is done.
             ext, self_ = e.extent, self
             e.extent = None
+            self._late_frees += 1
             e.read_future.add_done_callback(lambda f: self_._late_free(ext))
         elif e.extent is not None and state is not State.WRITING:
             self._free_extent(e)
@@ -513,6 +537,8 @@ class Offloader:
         with self._lock:
             self._disk_bytes -= extent.length
             self._backend.free(extent)
+            self._late_frees -= 1
+            self._cond.notify_all()
 
     def _maybe_drop_loaded(self, e: Entry) -> None:
         """Once every live save of a reloaded entry has been unpacked, hold its buffer weakly."""
@@ -537,6 +563,7 @@ class Offloader:
                     raise RuntimeError("ssdtrain: a saved tensor was unpacked after it was freed (internal error)")
                 if not scope.backward_started:
                     self._begin_backward(scope)
+                scope.armed = False
                 e.check_version()
                 if e.tainted:
                     raise RuntimeError(e.tainted)
@@ -544,7 +571,7 @@ class Offloader:
                     # Unpacked again after every save of it was: a new backward pass (retain_graph).
                     scope.passes += 1
                     scope.restart()
-                self._prefetch(scope, e.index - 1 if e.offloaded else e.index, e.layer)
+                self._prefetch(scope, e.layer)
                 scope.used(e)
                 if e.data is not None:
                     return self._forward(e, ref)
@@ -589,11 +616,11 @@ class Offloader:
         for e in scope.queued():
             self._cancel_write(e)
             self._counters.add(scope.stats_id, "adaptive_keep_bytes", e.nbytes)
-        self._prefetch(scope, len(scope.order) - 1, None)
+        self._prefetch(scope, None)
 
-    def _prefetch(self, scope: Scope, start: int, layer: int | None) -> None:
+    def _prefetch(self, scope: Scope, layer: int | None) -> None:
         cfg = self.config
-        for e in scope.advance(start, layer, max_bytes=cfg.prefetch_bytes, max_layers=cfg.prefetch_layers):
+        for e in scope.advance(layer, max_bytes=cfg.prefetch_bytes, max_layers=cfg.prefetch_layers):
             self._issue_read(e)
 
     def _issue_read(self, e: Entry) -> None:

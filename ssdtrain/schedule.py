@@ -31,6 +31,7 @@ class Scope:
         self.cursor = -1
         self.ahead = 0
         self.top_layer: int | None = None
+        self.armed = False       # backward announced, nothing unpacked yet
 
     def add(self, entry: Entry) -> None:
         entry.index = len(self.order)
@@ -46,16 +47,20 @@ class Scope:
         """A backward pass starts over the whole pack order."""
         self.cursor = len(self.order) - 1
         self.ahead = 0
+        self.armed = True
+        for e in self.order:
+            e.counted_ahead = False
 
-    def advance(self, start: int, layer: int | None, *, max_bytes: int, max_layers: int) -> list[Entry]:
-        """Entries to read now, the next ones below ``start`` (inclusive) in pack order.
+    def advance(self, layer: int | None, *, max_bytes: int, max_layers: int) -> list[Entry]:
+        """Entries to read now: the next ones, going down the pack order from the cursor.
 
-        Backward needs entries roughly in reverse pack order. The window holds at most
+        Backward needs entries roughly in reverse pack order. The cursor never jumps to where
+        backward is: a save needed out of order (an input saved first and used last, a dedup'd
+        tensor) must not make the window skip everything between; entries it has passed and
+        not read are read on demand. The window holds at most
         ``max_bytes`` read ahead and unused and, with block tags, reaches at most ``max_layers``
         blocks below the running ``layer``. Amortised O(1): the cursor only moves down.
         """
-        if start < self.cursor:
-            self.cursor = start
         if layer is None:
             # Above the blocks (head, loss): the window counts from the top block.
             layer = self.top_layer
@@ -65,11 +70,19 @@ class Scope:
             if layer is not None and e.layer is not None and e.layer < layer - max_layers:
                 break
             self.cursor -= 1
-            if (e.state is State.ON_DISK and e.refs > 0 and e.error is None and e.loaded is None
-                    and e.read_future is None and not (e.loaded_weak is not None and e.loaded_weak() is not None)):
+            if e.refs <= 0 or e.error is not None:
+                continue
+            if e.state is State.ON_DISK:
+                if e.loaded is None and e.read_future is None and not (
+                        e.loaded_weak is not None and e.loaded_weak() is not None):
+                    e.counted_ahead = True
+                    self.ahead += e.nbytes
+                    picked.append(e)
+            elif e.state in (State.WRITING, State.WRITTEN):
+                # Still in memory, and about to be needed: it stays (see the engine's drain) and
+                # takes its place in the window instead of a read.
                 e.counted_ahead = True
                 self.ahead += e.nbytes
-                picked.append(e)
         return picked
 
     def used(self, e: Entry) -> None:

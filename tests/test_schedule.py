@@ -197,7 +197,8 @@ def test_adaptive_keep_cancels_what_backward_needs_first(off_dir, monkeypatch):
     model = _stack(8, 128)
     x = torch.randn(64, 128)
     base = step(model, lambda: model(x).sum(), None)
-    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, io_threads=1)
+    # One thread and small requests: only a few writes are in flight, the rest wait in the queue.
+    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, io_threads=1, chunk_bytes="4KiB")
     assert_same(base, step(model, lambda: model(x).sum(), off))  # backward right after forward
     s = off.stats()
     assert s.cancelled_writes > 0 and s.adaptive_keep_bytes > 0

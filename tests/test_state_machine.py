@@ -175,19 +175,20 @@ def test_write_completing_after_an_unseen_modification():
 
 def test_cancelled_write_keeps_the_bytes():
     store = ManualStore()
-    off = ssdtrain.Offloader(store=store, min_bytes=0, io_threads=1)  # two writes in flight at most
-    ts = [torch.full((512,), float(i)) for i in range(4)]
+    # One 4 KiB request per thread: the first 16 KiB write goes out, the others wait in the queue.
+    off = ssdtrain.Offloader(store=store, min_bytes=0, io_threads=1, chunk_bytes="4KiB")
+    ts = [torch.full((4096,), float(i)) for i in range(4)]
     with off.microbatch(0):
         refs = [off._pack(t) for t in ts]
     del ts
-    assert len(store.pending_writes) == 2
+    assert len(store.pending_writes) == 1
     off.prefetch(0)  # backward begins: writes not started are cancelled, tensors kept
-    assert off.stats().cancelled_writes == 2 and off.stats().adaptive_keep_bytes == 2 * 2048
+    assert off.stats().cancelled_writes == 3 and off.stats().adaptive_keep_bytes == 3 * 16384
     for i in range(4):
-        assert torch.equal(off._unpack(refs[i]), torch.full((512,), float(i)))
+        assert torch.equal(off._unpack(refs[i]), torch.full((4096,), float(i)))
     while store.pending_writes:
         store.complete_write(0)
-    assert store.written == 2 * 2048
+    assert store.written == 16384
     refs.clear()
     s = off.stats()
     assert s.live_entries == 0 and store.live == set()

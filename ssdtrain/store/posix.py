@@ -86,7 +86,9 @@ class _Arena:
                 except FileNotFoundError:
                     pass
         self.direct = self.fd_direct is not None
+        # Reads have their own threads: backward waits on them, so they never queue behind writes.
         self.pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix=f"ssdtrain-io{index}")
+        self.read_pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix=f"ssdtrain-io{index}r")
 
     def _open_direct(self, name: str, want: bool | None) -> int | None:
         if want is False or not hasattr(os, "O_DIRECT"):
@@ -113,6 +115,7 @@ class _Arena:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+        self.read_pool.shutdown(wait=True)
         for fd in (self.fd, self.fd_direct):
             if fd is not None:
                 os.close(fd)
@@ -270,7 +273,7 @@ class PosixBackend(Backend):
         arena = self._arenas[extent.path_index]
         ready_once = _Once(ready) if ready is not None else None
         crcs = checksum if checksum is not None else None
-        futures = [arena.pool.submit(self._read_chunk, arena, dst, start, n, extent.offset + start,
+        futures = [arena.read_pool.submit(self._read_chunk, arena, dst, start, n, extent.offset + start,
                                      None if crcs is None else crcs[i], ready_once)
                    for i, (start, n) in enumerate(self._chunks(extent))]
         out = gather(futures)
