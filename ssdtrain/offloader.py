@@ -261,6 +261,10 @@ class Offloader:
         scope = self._scope_stack.pop()
         scope.hooks.__exit__(None, None, None)  # type: ignore[attr-defined]
         self._pump()
+        if self._endurance is not None:  # once per step or micro-batch: it stats the drives
+            msg = self._endurance.check()
+            if msg:
+                warnings.warn(msg, RuntimeWarning, stacklevel=3)
         self._safe_point(raise_errors=raise_errors)
 
     def _enter_block(self, index: int, module: nn.Module, args: Any) -> None:
@@ -471,10 +475,6 @@ class Offloader:
             for msg in self._warnings:
                 warnings.warn(msg, RuntimeWarning, stacklevel=3)
             self._warnings.clear()
-        if self._endurance is not None:
-            msg = self._endurance.check()
-            if msg:
-                warnings.warn(msg, RuntimeWarning, stacklevel=3)
         if raise_errors and self._error is not None:
             err, self._error = self._error, None
             raise err

@@ -228,3 +228,21 @@ def test_soak_stays_flat(off_dir):
     assert b1 <= b0 + 64 and d1 == 0 and d0 == 0  # holes punched: the arena holds no stale blocks
     assert s1 <= 1  # finished steps leave no scope behind
     off.close()
+
+
+def test_endurance_warning_once(off_dir, monkeypatch):
+    import ssdtrain.endurance as endurance
+
+    real = endurance.EnduranceMonitor.__init__
+    monkeypatch.setattr(endurance.EnduranceMonitor, "__init__",
+                        lambda self, *a, **k: real(self, *a, **{**k, "min_seconds": 0.0}))
+    model = _model()
+    x = torch.randn(64, 256)
+    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, rated_tbw=1e-6, endurance_horizon_days=3650)
+    with pytest.warns(RuntimeWarning, match="TBW") as record:
+        for _ in range(3):
+            step(model, lambda: model(x).sum(), off, wait=True)
+    assert len([w for w in record if "TBW" in str(w.message)]) == 1
+    proj = off.stats().endurance
+    assert proj["paths"][0]["written_bytes"] > 0 and proj["paths"][0]["drive_writes_per_day"] > 0
+    off.close()
