@@ -625,7 +625,7 @@ class Offloader:
 
     def _issue_read(self, e: Entry) -> None:
         """Under the lock: starts reading ``e`` back into a fresh buffer."""
-        buf = self._backend.alloc_buffer(e.nbytes, e.device)
+        buf = self._backend.alloc_buffer(e.nbytes, e.device, extent=e.extent)
         e.read_buf = buf
         e.read_future = self._backend.submit_read(e.extent, buf, checksum=e.checksum,
                                                   ready=device.consumer_fence(buf))

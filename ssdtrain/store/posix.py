@@ -3,8 +3,11 @@
 One arena file per path. It is created ``O_EXCL`` with mode 0600 inside a fresh private
 directory (0700), and both are unlinked right after opening (Note [nothing left on disk]).
 Extents are 4 KiB aligned; tensors larger than ``chunk_bytes`` are split into requests that
-run in parallel. With O_DIRECT, chunks whose memory is page-aligned go straight from the
-tensor to the drive; others pass through a page-aligned staging buffer of the I/O thread.
+run in parallel. With O_DIRECT, host tensors go straight between their own memory pages and the
+drive (Note [zero-copy direct I/O] in ``_hostbuf.py``), reads land in reusable buffers (Note
+[reuse reload memory]), and CUDA tensors pass through a page-aligned staging buffer of the I/O
+thread. Freed space is punched only once it has stayed free for a while (Note [trim what stays
+free] in ``allocator.py``).
 """
 
 from __future__ import annotations
@@ -25,11 +28,17 @@ import torch
 from ssdtrain import device
 from ssdtrain.config import OffloadConfig
 from ssdtrain.store import _fs
-from ssdtrain.store._mem import capacity, gather, host_view, profiled
+from ssdtrain.store._hostbuf import HostBufferPool, lead_of, raw_view, windows
+from ssdtrain.store._mem import capacity, gather, profiled
 from ssdtrain.store.allocator import ExtentAllocator
 from ssdtrain.store.base import ALIGN, Backend, ChecksumError, Extent, StorageError, align_up
 
 log = logging.getLogger(__name__)
+
+TRIM_AFTER_SECONDS = 60.0
+"""Arena space that stays free this long is punched, so that the drive can trim it."""
+TRIM_BATCH_BYTES = 256 << 20
+"""At most this much is punched per trim task (punching stalls direct I/O on the file)."""
 
 # Seams for fault-injection tests (a full drive, EIO, short transfers): tests replace these.
 _pwrite = os.pwrite
@@ -67,6 +76,8 @@ class _Arena:
         self.queued = 0
         self.written = 0
         self.read = 0
+        self.leads: dict[int, int] = {}  # extent offset -> its payload's offset within the first page
+        self.trimming = False
         private = os.path.join(path, f"ssdtrain-{os.getpid()}-{secrets.token_hex(6)}")
         try:
             os.mkdir(private, 0o700)
@@ -174,6 +185,7 @@ class PosixBackend(Backend):
         self._arenas: list[_Arena] = []
         self._place_lock = threading.Lock()
         self._closed = False
+        self._pool = HostBufferPool(2 * cfg.prefetch_bytes)
         try:
             for i, p in enumerate(cfg.paths):
                 prepare_dir(p, create=cfg.create_path)
@@ -192,31 +204,55 @@ class PosixBackend(Backend):
             # Stripe by load: the path with the fewest bytes waiting gets the next extent.
             arena = min(self._arenas, key=lambda a: (a.queued, a.alloc.used_bytes))
             with arena.lock:
-                offset, length = arena.alloc.allocate(max(nbytes, 1))
+                # One spare page: a host tensor's payload starts at its lead within the first page.
+                offset, length = arena.alloc.allocate(max(nbytes, 1) + (ALIGN if arena.direct else 0))
         return Extent(arena.index, offset, nbytes, length)
 
     def free(self, extent: Extent) -> None:
         arena = self._arenas[extent.path_index]
         with arena.lock:
-            if not self._closed:
-                # Punch before the range can be handed out again: a later punch could hit new data.
-                _fs.punch_hole(arena.fd, extent.offset, extent.length)
+            arena.leads.pop(extent.offset, None)
             arena.alloc.free(extent.offset, extent.length)
+            # Note [trim what stays free]: no punch here (on the main thread, stalling every direct
+            # I/O in flight on the file, for space the next step overwrites anyway).
+            if self._closed or arena.trimming or not arena.alloc.trim_due(TRIM_AFTER_SECONDS):
+                return
+            ranges = arena.alloc.begin_trim(TRIM_AFTER_SECONDS, max_bytes=TRIM_BATCH_BYTES)
+            arena.trimming = True
+        try:
+            arena.pool.submit(self._punch, arena, ranges)
+        except RuntimeError:  # the pool is shutting down
+            self._punched(arena, ranges)
+
+    def _punch(self, arena: _Arena, ranges: list[tuple[int, int]]) -> None:
+        try:
+            for off, length in ranges:
+                if not _fs.punch_hole(arena.fd, off, length):
+                    break
+        except OSError as e:
+            log.warning("ssdtrain: could not punch a hole in the arena on %s: %s", arena.path, e)
+        finally:
+            self._punched(arena, ranges)
+
+    def _punched(self, arena: _Arena, ranges: list[tuple[int, int]]) -> None:
+        with arena.lock:
+            arena.alloc.end_trim(ranges)
+            arena.trimming = False
 
     # -- I/O ---------------------------------------------------------------------------------
-    def _chunks(self, extent: Extent):
-        for start in range(0, extent.nbytes, self.chunk):
-            yield start, min(self.chunk, extent.nbytes - start)
+    def _windows(self, arena: _Arena, extent: Extent, lead: int):
+        return windows(extent.nbytes, lead, self.chunk, direct=arena.direct)
 
     def submit_write(self, extent: Extent, src: torch.Tensor, *, checksum: bool = False,
                      ready: Callable[[], None] | None = None) -> Future:
         arena = self._arenas[extent.path_index]
+        lead = lead_of(src) if arena.direct else 0
         with arena.lock:
             arena.queued += extent.nbytes
+            arena.leads[extent.offset] = lead
         ready_once = _Once(ready) if ready is not None else None
-        futures = [arena.pool.submit(self._write_chunk, arena, src, start, n, extent.offset + start, checksum,
-                                     ready_once)
-                   for start, n in self._chunks(extent)]
+        futures = [arena.pool.submit(self._write_chunk, arena, src, extent.offset, lead, w, checksum, ready_once)
+                   for w in self._windows(arena, extent, lead)]
         out = gather(futures)
         out.add_done_callback(lambda f: self._settle(arena, extent.nbytes, written=f.exception() is None))
         return out
@@ -227,55 +263,58 @@ class PosixBackend(Backend):
             if written:
                 arena.written += nbytes
 
-    def _write_chunk(self, arena: _Arena, src: torch.Tensor, start: int, n: int, offset: int,
-                     checksum: bool, ready) -> int | None:
+    def _write_chunk(self, arena: _Arena, src: torch.Tensor, base: int, lead: int, window, checksum: bool,
+                     ready) -> int | None:
         with profiled("ssdtrain.write"):
-            return self._write_chunk_now(arena, src, start, n, offset, checksum, ready)
+            return self._write_chunk_now(arena, src, base, lead, window, checksum, ready)
 
-    def _write_chunk_now(self, arena: _Arena, src: torch.Tensor, start: int, n: int, offset: int,
-                         checksum: bool, ready) -> int | None:
+    def _write_chunk_now(self, arena: _Arena, src: torch.Tensor, base: int, lead: int, window, checksum: bool,
+                         ready) -> int | None:
+        w0, wn, p0, p1 = window
         if ready is not None:
             ready()
         crc = None
         try:
             if device.is_cuda(src):
-                mm, staged = _staging(n)
-                device.copy_on_side_stream(staged[:n], src[start:start + n])
-                mv = memoryview(mm)
-                fd, length = (arena.fd_direct, align_up(n)) if arena.direct else (arena.fd, n)
-            elif arena.direct and (src.data_ptr() + start) % ALIGN == 0 and n % ALIGN == 0:
-                mv, fd, length = host_view(src, start, n), arena.fd_direct, n
-            elif arena.direct:
-                mm, staged = _staging(n)
-                # Note [no torch ops on I/O threads]: a torch copy here would start an OpenMP team
-                # per I/O thread, spinning against the compute threads on the same cores.
-                ctypes.memmove(staged.data_ptr(), src.data_ptr() + start, n)
-                mv, fd, length = memoryview(mm), arena.fd_direct, align_up(n)
+                mm, staged = _staging(wn)
+                device.copy_on_side_stream(staged[:p1 - p0], src[p0:p1])
+                mv, payload = memoryview(mm)[:wn], memoryview(mm)[:p1 - p0]
             else:
-                mv, fd, length = host_view(src, start, n), arena.fd, n
+                # Whole pages of the tensor's own memory: no copy (Note [zero-copy direct I/O]).
+                mv, payload = raw_view(src, w0 - lead, wn), raw_view(src, p0, p1 - p0)
             if checksum:
-                crc = zlib.crc32(mv[:n])
-            _full_write(fd, mv[:length], offset)
+                crc = zlib.crc32(payload)
+            _full_write(arena.fd_direct if arena.direct else arena.fd, mv, base + w0)
         except OSError as e:
-            raise arena.error("write", n, offset, e) from e
+            raise arena.error("write", p1 - p0, base + w0, e) from e
         return crc
 
-    def alloc_buffer(self, nbytes: int, device_: torch.device) -> torch.Tensor:
+    def alloc_buffer(self, nbytes: int, device_: torch.device, extent: Extent | None = None) -> torch.Tensor:
+        """A reload buffer; given the extent it will receive, one that the read fills in place."""
         if device_.type != "cpu" or not any(a.direct for a in self._arenas):
             return super().alloc_buffer(nbytes, device_)
-        # Room for the aligned tail that O_DIRECT reads, starting on a page boundary.
-        raw = torch.empty(align_up(nbytes) + ALIGN, dtype=torch.uint8)
-        skip = (-raw.data_ptr()) % ALIGN
-        return raw[skip:skip + nbytes]
+        lead = 0
+        if extent is not None:
+            arena = self._arenas[extent.path_index]
+            with arena.lock:
+                lead = arena.leads.get(extent.offset, 0)
+        return self._pool.take(nbytes, lead)
 
     def submit_read(self, extent: Extent, dst: torch.Tensor, *, checksum: object = None,
                     ready: Callable[[], None] | None = None) -> Future:
         arena = self._arenas[extent.path_index]
+        with arena.lock:
+            lead = arena.leads.get(extent.offset, 0)
+        # In place only into whole pages the buffer owns (one from alloc_buffer(extent=...));
+        # anything else goes through staging.
+        in_place = not device.is_cuda(dst) and (not arena.direct or (
+            lead_of(dst) == lead and dst.storage_offset() * dst.element_size() >= lead
+            and capacity(dst) >= align_up(lead + extent.nbytes) - lead))
         ready_once = _Once(ready) if ready is not None else None
         crcs = checksum if checksum is not None else None
-        futures = [arena.read_pool.submit(self._read_chunk, arena, dst, start, n, extent.offset + start,
-                                     None if crcs is None else crcs[i], ready_once)
-                   for i, (start, n) in enumerate(self._chunks(extent))]
+        futures = [arena.read_pool.submit(self._read_chunk, arena, dst, extent.offset, lead, w, in_place,
+                                          None if crcs is None else crcs[i], ready_once)
+                   for i, w in enumerate(self._windows(arena, extent, lead))]
         out = gather(futures)
 
         def count(f: Future) -> None:
@@ -285,36 +324,36 @@ class PosixBackend(Backend):
         out.add_done_callback(count)
         return out
 
-    def _read_chunk(self, arena: _Arena, dst: torch.Tensor, start: int, n: int, offset: int,
+    def _read_chunk(self, arena: _Arena, dst: torch.Tensor, base: int, lead: int, window, in_place: bool,
                     crc: int | None, ready) -> None:
         with profiled("ssdtrain.read"):
-            self._read_chunk_now(arena, dst, start, n, offset, crc, ready)
+            self._read_chunk_now(arena, dst, base, lead, window, in_place, crc, ready)
 
-    def _read_chunk_now(self, arena: _Arena, dst: torch.Tensor, start: int, n: int, offset: int,
+    def _read_chunk_now(self, arena: _Arena, dst: torch.Tensor, base: int, lead: int, window, in_place: bool,
                         crc: int | None, ready) -> None:
+        w0, wn, p0, p1 = window
         if ready is not None:
             ready()
+        fd = arena.fd_direct if arena.direct else arena.fd
         try:
-            length = align_up(n) if arena.direct else n
-            if (not device.is_cuda(dst) and (not arena.direct or (
-                    (dst.data_ptr() + start) % ALIGN == 0 and capacity(dst) - start >= length))):
-                mv = host_view(dst, start, length)
-                _full_read(arena.fd_direct if arena.direct else arena.fd, mv, offset)
-                payload = mv[:n]
+            if in_place:
+                _full_read(fd, raw_view(dst, w0 - lead, wn), base + w0)
+                payload = raw_view(dst, p0, p1 - p0)
             else:
-                mm, staged = _staging(n)
-                mv = memoryview(mm)[:length]
-                _full_read(arena.fd_direct if arena.direct else arena.fd, mv, offset)
-                payload = mv[:n]
+                mm, staged = _staging(wn)
+                _full_read(fd, memoryview(mm)[:wn], base + w0)
+                s0 = p0 + lead - w0
+                payload = memoryview(mm)[s0:s0 + p1 - p0]
                 if device.is_cuda(dst):
-                    device.copy_on_side_stream(dst[start:start + n], staged[:n])
+                    device.copy_on_side_stream(dst[p0:p1], staged[s0:s0 + p1 - p0])
                 else:
-                    ctypes.memmove(dst.data_ptr() + start, staged.data_ptr(), n)
+                    # Note [no torch ops on I/O threads]
+                    ctypes.memmove(dst.data_ptr() + p0, staged.data_ptr() + s0, p1 - p0)
         except OSError as e:
-            raise arena.error("read", n, offset, e) from e
+            raise arena.error("read", p1 - p0, base + w0, e) from e
         if crc is not None and zlib.crc32(payload) != crc:
-            raise ChecksumError(errno.EIO, f"checksum mismatch reading {n} bytes at offset {offset} of the arena "
-                                f"on {arena.path!r}: the drive returned different bytes than were written")
+            raise ChecksumError(errno.EIO, f"checksum mismatch reading {p1 - p0} bytes at offset {base + w0} of the "
+                                f"arena on {arena.path!r}: the drive returned different bytes than were written")
 
     # -- bookkeeping -------------------------------------------------------------------------
     def written_bytes_by_path(self) -> dict[str, int]:
@@ -336,6 +375,7 @@ class PosixBackend(Backend):
         self._closed = True
         for a in self._arenas:
             a.close()
+        self._pool.close()
 
 
 class _Once:
