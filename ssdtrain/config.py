@@ -96,7 +96,8 @@ class OffloadConfig:
     prefetch_layers: int = 2
     """In backward, read ahead this many blocks below the one running."""
     prefetch_bytes: int = 256 << 20
-    """... and at most this many bytes ahead (also the window when there are no blocks)."""
+    """... and at most this many bytes ahead. The window starts smaller and doubles each time
+    backward has to wait for a read, so it grows only as far as the drive needs."""
     max_inflight_bytes: int = 1 << 30
     """Cap on bytes waiting to be written; see ``when_full``."""
     when_full: str = "wait"

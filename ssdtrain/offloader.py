@@ -104,6 +104,10 @@ class Offloader:
         self._writing = 0
         self._writing_bytes = 0
         self._late_frees = 0  # extents of freed entries still being read into a dropped buffer
+        # Note [a window as small as the drive allows]: read-ahead starts small and doubles
+        # whenever backward had to wait for a read, up to prefetch_bytes. A fast drive thus costs
+        # little memory, a slow one gets the window it needs, with no profiling pass.
+        self._window = min(config.prefetch_bytes, max(2 * config.chunk_bytes, 16 << 20))
         # Writes handed to the backend at once: enough to keep every I/O thread busy, few enough
         # that the rest stays queued: cancellable when backward wants it first (adaptive keep),
         # and not in the way of reads.
@@ -194,6 +198,7 @@ class Offloader:
             snap = self._counters.snapshot()
             snap.live_entries = len(self._entries)
             snap.live_disk_bytes = self._disk_bytes
+            snap.prefetch_window_bytes = self._window
         snap.written_bytes_by_path = self._backend.written_bytes_by_path()
         if self._endurance is not None:
             snap.endurance = self._endurance.projection()
@@ -620,7 +625,7 @@ class Offloader:
 
     def _prefetch(self, scope: Scope, layer: int | None) -> None:
         cfg = self.config
-        for e in scope.advance(layer, max_bytes=cfg.prefetch_bytes, max_layers=cfg.prefetch_layers):
+        for e in scope.advance(layer, max_bytes=self._window, max_layers=cfg.prefetch_layers):
             self._issue_read(e)
 
     def _issue_read(self, e: Entry) -> None:
@@ -641,6 +646,7 @@ class Offloader:
                 fut.exception()  # waits
             waited = time.perf_counter() - start
             with self._lock:
+                self._window = min(2 * self._window, self.config.prefetch_bytes)
                 self._counters.add(e.scope.stats_id, "prefetch_misses", 1)
                 self._counters.add(e.scope.stats_id, "read_stall_seconds", waited)
                 self._counters.add(e.scope.stats_id, "stall_seconds", waited)

@@ -52,6 +52,8 @@ class OffloadStats:
     """Unpacks of offloaded tensors whose read had completed before they were needed."""
     prefetch_misses: int = 0
     """Unpacks that had to wait for (or issue) their read."""
+    prefetch_window_bytes: int = 0
+    """Bytes backward reads ahead now: starts small, doubles after each wait, up to prefetch_bytes."""
     failed_writes: int = 0
     failed_reads: int = 0
     live_entries: int = 0
