@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from ssdtrain.config import OffloadConfig
+from ssdtrain.store import _arena
 from ssdtrain.store.base import ALIGN, ChecksumError, StorageError
 
 FAKE_CUDA = pathlib.Path(__file__).parent / "_fake_cuda" / "libcuda.c"
@@ -178,9 +179,7 @@ def test_settings_files_and_close(make, tmp_path, cuda_driver):
 
 
 def test_space_that_stays_free_is_punched(make, monkeypatch):
-    from ssdtrain.store import kvikio_backend
-
-    monkeypatch.setattr(kvikio_backend, "TRIM_AFTER_SECONDS", 0.0)
+    monkeypatch.setattr(_arena, "TRIM_AFTER_SECONDS", 0.0)
     b = make()
     src = _bytes(1 << 20, 5)
     keep, drop = b.allocate(src.numel()), b.allocate(src.numel())

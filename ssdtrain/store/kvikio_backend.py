@@ -35,18 +35,14 @@ except ImportError:
     raise ImportError("kvikio is not installed; pip install 'ssdtrain[kvikio]'") from None
 
 from ssdtrain.config import OffloadConfig
-from ssdtrain.store import _fs
+from ssdtrain.store._arena import ArenaBackend
 from ssdtrain.store._hostbuf import HostBufferPool, lead_of, raw_view
 from ssdtrain.store.allocator import ExtentAllocator
-from ssdtrain.store.base import ALIGN, Backend, ChecksumError, Extent, StorageError, align_up
+from ssdtrain.store.base import ALIGN, ChecksumError, Extent, StorageError, align_up
 
 __all__ = ["KvikioBackend"]
 
 log = logging.getLogger(__name__)
-
-TRIM_AFTER_SECONDS = 60.0
-"""Arena space that stays free this long is punched (Note [trim what stays free])."""
-TRIM_BATCH_BYTES = 256 << 20
 
 
 def _settings(cfg: OffloadConfig) -> dict:
@@ -102,22 +98,23 @@ class _Arena:
         return StorageError(code, f"kvikio {what} of {nbytes} bytes at offset {offset} in the ssdtrain arena on "
                             f"{self.path!r} failed: {text}; {hint}")
 
+    def fileno(self) -> int:
+        return self.file.fileno()
+
     def close(self) -> None:
         self.pool.shutdown(wait=True)
         self.file.close()
 
 
-class KvikioBackend(Backend):
+class KvikioBackend(ArenaBackend):
     """Files read and written by kvikio; CUDA tensors with GPUDirect Storage where it works."""
 
     name = "kvikio"
 
     def __init__(self, cfg: OffloadConfig) -> None:
+        super().__init__()
         self.cfg = cfg
         self.task_size = cfg.chunk_bytes
-        self._arenas: list[_Arena] = []
-        self._place_lock = threading.Lock()
-        self._closed = False
         self._pool = HostBufferPool(2 * cfg.prefetch_bytes)
         want = _settings(cfg)
         kvikio.defaults.set(want)
@@ -127,55 +124,13 @@ class KvikioBackend(Backend):
         except BaseException:
             self.close()
             raise
-        for a in self._arenas:
-            if _fs.is_ram_backed(a.path):
-                log.warning("ssdtrain: %s is RAM-backed (%s): offloading there saves no memory",
-                            a.path, _fs.fs_type(a.path))
+        self._warn_ram_backed()
 
     @property
     def gds(self) -> bool:
         """Whether CUDA tensors move by GPUDirect Storage (``False``: kvikio's compatibility mode)."""
         return not kvikio.defaults.is_compat_mode_preferred()
 
-    # -- extents ---------------------------------------------------------------------------------
-    def allocate(self, nbytes: int) -> Extent:
-        with self._place_lock:
-            arena = min(self._arenas, key=lambda a: (a.queued, a.alloc.used_bytes))
-            with arena.lock:
-                # One spare page: a host tensor's payload starts at its lead within the first page.
-                offset, length = arena.alloc.allocate(max(nbytes, 1) + (ALIGN if arena.direct else 0))
-        return Extent(arena.index, offset, nbytes, length)
-
-    def free(self, extent: Extent) -> None:
-        arena = self._arenas[extent.path_index]
-        with arena.lock:
-            arena.leads.pop(extent.offset, None)
-            arena.alloc.free(extent.offset, extent.length)
-            if self._closed or arena.trimming or not arena.alloc.trim_due(TRIM_AFTER_SECONDS):
-                return
-            ranges = arena.alloc.begin_trim(TRIM_AFTER_SECONDS, max_bytes=TRIM_BATCH_BYTES)
-            arena.trimming = True
-        try:
-            arena.pool.submit(self._punch, arena, ranges)
-        except RuntimeError:  # shutting down
-            self._punched(arena, ranges)
-
-    def _punch(self, arena: _Arena, ranges: list[tuple[int, int]]) -> None:
-        try:
-            for off, length in ranges:
-                if not _fs.punch_hole(arena.file.fileno(), off, length):
-                    break
-        except OSError as e:
-            log.warning("ssdtrain: could not punch a hole in the arena on %s: %s", arena.path, e)
-        finally:
-            self._punched(arena, ranges)
-
-    def _punched(self, arena: _Arena, ranges: list[tuple[int, int]]) -> None:
-        with arena.lock:
-            arena.alloc.end_trim(ranges)
-            arena.trimming = False
-
-    # -- I/O ----------------------------------------------------------------------------------------
     def _window(self, arena: _Arena, extent: Extent, t: torch.Tensor, lead: int) -> tuple[object, int]:
         """The buffer kvikio moves and its size: whole pages for host memory (direct), the tensor."""
         if t.device.type != "cpu":
@@ -194,12 +149,6 @@ class KvikioBackend(Backend):
         fut = arena.pool.submit(self._write, arena, extent, src, lead, checksum, ready)
         fut.add_done_callback(lambda f: self._settle(arena, extent.nbytes, written=f.exception() is None))
         return fut
-
-    def _settle(self, arena: _Arena, nbytes: int, *, written: bool) -> None:
-        with arena.lock:
-            arena.queued -= nbytes
-            if written:
-                arena.written += nbytes
 
     def _write(self, arena: _Arena, extent: Extent, src: torch.Tensor, lead: int, checksum: bool,
                ready: Callable[[], None] | None) -> int | None:
@@ -263,12 +212,6 @@ class KvikioBackend(Backend):
                                 f"arena on {arena.path!r}: the drive returned different bytes than were written")
 
     # -- bookkeeping --------------------------------------------------------------------------------
-    def written_bytes_by_path(self) -> dict[str, int]:
-        return {a.path: a.written for a in self._arenas}
-
-    def read_bytes_by_path(self) -> dict[str, int]:
-        return {a.path: a.read for a in self._arenas}
-
     def describe(self) -> str:
         mode = "GDS" if self.gds else "compat"
         return f"kvikio ({mode}): " + ", ".join(

@@ -28,17 +28,13 @@ import torch
 from ssdtrain import device
 from ssdtrain.config import OffloadConfig
 from ssdtrain.store import _fs
+from ssdtrain.store._arena import ArenaBackend
 from ssdtrain.store._hostbuf import HostBufferPool, lead_of, raw_view, windows
 from ssdtrain.store._mem import capacity, gather, profiled
 from ssdtrain.store.allocator import ExtentAllocator
-from ssdtrain.store.base import ALIGN, Backend, ChecksumError, Extent, StorageError, align_up
+from ssdtrain.store.base import ALIGN, ChecksumError, Extent, StorageError, align_up
 
 log = logging.getLogger(__name__)
-
-TRIM_AFTER_SECONDS = 60.0
-"""Arena space that stays free this long is punched, so that the drive can trim it."""
-TRIM_BATCH_BYTES = 256 << 20
-"""At most this much is punched per trim task (punching stalls direct I/O on the file)."""
 
 # Seams for fault-injection tests (a full drive, EIO, short transfers): tests replace these.
 _pwrite = os.pwrite
@@ -124,6 +120,9 @@ class _Arena:
                              f"O_DIRECT ({reason}); set direct_io=None to fall back to buffered I/O")
         return fd
 
+    def fileno(self) -> int:
+        return self.fd
+
     def close(self) -> None:
         self.pool.shutdown(wait=True)
         self.read_pool.shutdown(wait=True)
@@ -174,17 +173,15 @@ def _full_read(fd: int, mv: memoryview, offset: int) -> None:
         done += n
 
 
-class PosixBackend(Backend):
+class PosixBackend(ArenaBackend):
     """Files on local filesystems, through the kernel; the default on the CPU."""
 
     name = "posix"
 
     def __init__(self, cfg: OffloadConfig) -> None:
+        super().__init__()
         self.cfg = cfg
         self.chunk = cfg.chunk_bytes
-        self._arenas: list[_Arena] = []
-        self._place_lock = threading.Lock()
-        self._closed = False
         self._pool = HostBufferPool(2 * cfg.prefetch_bytes)
         try:
             for i, p in enumerate(cfg.paths):
@@ -193,51 +190,7 @@ class PosixBackend(Backend):
         except BaseException:
             self.close()
             raise
-        for a in self._arenas:
-            if _fs.is_ram_backed(a.path):
-                log.warning("ssdtrain: %s is RAM-backed (%s): offloading there saves no memory",
-                            a.path, _fs.fs_type(a.path))
-
-    # -- extents ---------------------------------------------------------------------------
-    def allocate(self, nbytes: int) -> Extent:
-        with self._place_lock:
-            # Stripe by load: the path with the fewest bytes waiting gets the next extent.
-            arena = min(self._arenas, key=lambda a: (a.queued, a.alloc.used_bytes))
-            with arena.lock:
-                # One spare page: a host tensor's payload starts at its lead within the first page.
-                offset, length = arena.alloc.allocate(max(nbytes, 1) + (ALIGN if arena.direct else 0))
-        return Extent(arena.index, offset, nbytes, length)
-
-    def free(self, extent: Extent) -> None:
-        arena = self._arenas[extent.path_index]
-        with arena.lock:
-            arena.leads.pop(extent.offset, None)
-            arena.alloc.free(extent.offset, extent.length)
-            # Note [trim what stays free]: no punch here (on the main thread, stalling every direct
-            # I/O in flight on the file, for space the next step overwrites anyway).
-            if self._closed or arena.trimming or not arena.alloc.trim_due(TRIM_AFTER_SECONDS):
-                return
-            ranges = arena.alloc.begin_trim(TRIM_AFTER_SECONDS, max_bytes=TRIM_BATCH_BYTES)
-            arena.trimming = True
-        try:
-            arena.pool.submit(self._punch, arena, ranges)
-        except RuntimeError:  # the pool is shutting down
-            self._punched(arena, ranges)
-
-    def _punch(self, arena: _Arena, ranges: list[tuple[int, int]]) -> None:
-        try:
-            for off, length in ranges:
-                if not _fs.punch_hole(arena.fd, off, length):
-                    break
-        except OSError as e:
-            log.warning("ssdtrain: could not punch a hole in the arena on %s: %s", arena.path, e)
-        finally:
-            self._punched(arena, ranges)
-
-    def _punched(self, arena: _Arena, ranges: list[tuple[int, int]]) -> None:
-        with arena.lock:
-            arena.alloc.end_trim(ranges)
-            arena.trimming = False
+        self._warn_ram_backed()
 
     # -- I/O ---------------------------------------------------------------------------------
     def _windows(self, arena: _Arena, extent: Extent, lead: int):
@@ -256,12 +209,6 @@ class PosixBackend(Backend):
         out = gather(futures)
         out.add_done_callback(lambda f: self._settle(arena, extent.nbytes, written=f.exception() is None))
         return out
-
-    def _settle(self, arena: _Arena, nbytes: int, *, written: bool) -> None:
-        with arena.lock:
-            arena.queued -= nbytes
-            if written:
-                arena.written += nbytes
 
     def _write_chunk(self, arena: _Arena, src: torch.Tensor, base: int, lead: int, window, checksum: bool,
                      ready) -> int | None:
@@ -356,12 +303,6 @@ class PosixBackend(Backend):
                                 f"arena on {arena.path!r}: the drive returned different bytes than were written")
 
     # -- bookkeeping -------------------------------------------------------------------------
-    def written_bytes_by_path(self) -> dict[str, int]:
-        return {a.path: a.written for a in self._arenas}
-
-    def read_bytes_by_path(self) -> dict[str, int]:
-        return {a.path: a.read for a in self._arenas}
-
     def describe(self) -> str:
         return "posix: " + ", ".join(f"{a.path} ({'O_DIRECT' if a.direct else 'buffered'})" for a in self._arenas)
 
