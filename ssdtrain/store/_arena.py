@@ -10,7 +10,10 @@ from __future__ import annotations
 import logging
 import threading
 
+import torch
+
 from ssdtrain.store import _fs
+from ssdtrain.store._hostbuf import HostBufferPool
 from ssdtrain.store.base import ALIGN, Backend, Extent
 
 log = logging.getLogger(__name__)
@@ -24,8 +27,9 @@ TRIM_BATCH_BYTES = 256 << 20
 class ArenaBackend(Backend):
     """Placement and bookkeeping over ``self._arenas``; subclasses open them and move the bytes."""
 
-    def __init__(self) -> None:
+    def __init__(self, pool_bytes: int) -> None:
         self._arenas: list = []
+        self._pool = HostBufferPool(pool_bytes)
         self._place_lock = threading.Lock()
         self._closed = False
 
@@ -74,6 +78,26 @@ class ArenaBackend(Backend):
         with arena.lock:
             arena.alloc.end_trim(ranges)
             arena.trimming = False
+
+    def alloc_buffer(self, nbytes: int, device: torch.device, extent: Extent | None = None) -> torch.Tensor:
+        """A reload buffer; given the extent it will receive, one that the read fills in place
+        (reused memory, Note [reuse reload memory]); a plain one for a GPU."""
+        if device.type != "cpu":
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return self._pool.take(nbytes, 0 if extent is None else self._lead(extent))
+
+    def _lead(self, extent: Extent) -> int:
+        """Where the extent's payload starts within its first page (as in the written tensor)."""
+        arena = self._arenas[extent.path_index]
+        with arena.lock:
+            return arena.leads.get(extent.offset, 0)
+
+    def _count_read(self, arena, fut, nbytes: int) -> None:
+        def count(f) -> None:
+            if f.exception() is None:
+                with arena.lock:
+                    arena.read += nbytes
+        fut.add_done_callback(count)
 
     def _settle(self, arena, nbytes: int, *, written: bool) -> None:
         with arena.lock:

@@ -36,7 +36,7 @@ except ImportError:
 
 from ssdtrain.config import OffloadConfig
 from ssdtrain.store._arena import ArenaBackend
-from ssdtrain.store._hostbuf import HostBufferPool, lead_of, raw_view
+from ssdtrain.store._hostbuf import lead_of, raw_view
 from ssdtrain.store.allocator import ExtentAllocator
 from ssdtrain.store.base import ALIGN, ChecksumError, Extent, StorageError, align_up
 
@@ -112,10 +112,9 @@ class KvikioBackend(ArenaBackend):
     name = "kvikio"
 
     def __init__(self, cfg: OffloadConfig) -> None:
-        super().__init__()
+        super().__init__(2 * cfg.prefetch_bytes)
         self.cfg = cfg
         self.task_size = cfg.chunk_bytes
-        self._pool = HostBufferPool(2 * cfg.prefetch_bytes)
         want = _settings(cfg)
         kvikio.defaults.set(want)
         try:
@@ -163,28 +162,11 @@ class KvikioBackend(ArenaBackend):
             raise arena.error("write", extent.nbytes, extent.offset, OSError(errno.EIO, f"short write: {done} of {size}"))
         return _crc(src, extent.nbytes) if checksum else None
 
-    def alloc_buffer(self, nbytes: int, device: torch.device, extent: Extent | None = None) -> torch.Tensor:
-        if device.type != "cpu":
-            return torch.empty(nbytes, dtype=torch.uint8, device=device)
-        lead = 0
-        if extent is not None:
-            arena = self._arenas[extent.path_index]
-            with arena.lock:
-                lead = arena.leads.get(extent.offset, 0)
-        return self._pool.take(nbytes, lead)
-
     def submit_read(self, extent: Extent, dst: torch.Tensor, *, checksum: object = None,
                     ready: Callable[[], None] | None = None) -> Future:
         arena = self._arenas[extent.path_index]
-        with arena.lock:
-            lead = arena.leads.get(extent.offset, 0)
-        fut = arena.pool.submit(self._read, arena, extent, dst, lead, checksum, ready)
-
-        def count(f: Future) -> None:
-            if f.exception() is None:
-                with arena.lock:
-                    arena.read += extent.nbytes
-        fut.add_done_callback(count)
+        fut = arena.pool.submit(self._read, arena, extent, dst, self._lead(extent), checksum, ready)
+        self._count_read(arena, fut, extent.nbytes)
         return fut
 
     def _read(self, arena: _Arena, extent: Extent, dst: torch.Tensor, lead: int, crc: object,

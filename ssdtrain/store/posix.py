@@ -29,7 +29,7 @@ from ssdtrain import device
 from ssdtrain.config import OffloadConfig
 from ssdtrain.store import _fs
 from ssdtrain.store._arena import ArenaBackend
-from ssdtrain.store._hostbuf import HostBufferPool, lead_of, raw_view, windows
+from ssdtrain.store._hostbuf import lead_of, raw_view, windows
 from ssdtrain.store._mem import capacity, gather, profiled
 from ssdtrain.store.allocator import ExtentAllocator
 from ssdtrain.store.base import ALIGN, ChecksumError, Extent, StorageError, align_up
@@ -179,10 +179,9 @@ class PosixBackend(ArenaBackend):
     name = "posix"
 
     def __init__(self, cfg: OffloadConfig) -> None:
-        super().__init__()
+        super().__init__(2 * cfg.prefetch_bytes)
         self.cfg = cfg
         self.chunk = cfg.chunk_bytes
-        self._pool = HostBufferPool(2 * cfg.prefetch_bytes)
         try:
             for i, p in enumerate(cfg.paths):
                 prepare_dir(p, create=cfg.create_path)
@@ -236,22 +235,10 @@ class PosixBackend(ArenaBackend):
             raise arena.error("write", p1 - p0, base + w0, e) from e
         return crc
 
-    def alloc_buffer(self, nbytes: int, device_: torch.device, extent: Extent | None = None) -> torch.Tensor:
-        """A reload buffer; given the extent it will receive, one that the read fills in place."""
-        if device_.type != "cpu" or not any(a.direct for a in self._arenas):
-            return super().alloc_buffer(nbytes, device_)
-        lead = 0
-        if extent is not None:
-            arena = self._arenas[extent.path_index]
-            with arena.lock:
-                lead = arena.leads.get(extent.offset, 0)
-        return self._pool.take(nbytes, lead)
-
     def submit_read(self, extent: Extent, dst: torch.Tensor, *, checksum: object = None,
                     ready: Callable[[], None] | None = None) -> Future:
         arena = self._arenas[extent.path_index]
-        with arena.lock:
-            lead = arena.leads.get(extent.offset, 0)
+        lead = self._lead(extent)
         # In place only into whole pages the buffer owns (one from alloc_buffer(extent=...));
         # anything else goes through staging.
         in_place = not device.is_cuda(dst) and (not arena.direct or (
@@ -263,12 +250,7 @@ class PosixBackend(ArenaBackend):
                                           None if crcs is None else crcs[i], ready_once)
                    for i, w in enumerate(self._windows(arena, extent, lead))]
         out = gather(futures)
-
-        def count(f: Future) -> None:
-            if f.exception() is None:
-                with arena.lock:
-                    arena.read += extent.nbytes
-        out.add_done_callback(count)
+        self._count_read(arena, out, extent.nbytes)
         return out
 
     def _read_chunk(self, arena: _Arena, dst: torch.Tensor, base: int, lead: int, window, in_place: bool,
