@@ -226,3 +226,24 @@ def test_dropped_graph_of_kept_outputs_is_collected(off_dir):
     assert all(w() is None for w in alive)
     assert off.stats().live_entries == 0
     off.close()
+
+
+@pytest.mark.parametrize("backend", ["posix"])
+def test_striped_over_two_paths(tmp_path, backend):
+    """path=[a, b]: extents go to both drives, their I/O runs in parallel, gradients exact."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(6)])
+    x = torch.randn(64, 256)
+    base = step(model, lambda: model(x).sum(), None)
+    off = ssdtrain.Offloader(model, path=[str(a), str(b)], min_bytes=0, backend=backend)
+    for wait in (True, False):
+        assert_same(base, step(model, lambda: model(x).sum(), off, wait=wait))
+    per_path = off.stats().written_bytes_by_path
+    assert set(per_path) == {str(a), str(b)} and all(v > 0 for v in per_path.values())
+    reads = off._backend.read_bytes_by_path()
+    assert all(v > 0 for v in reads.values())
+    off.close()
+    assert list(a.iterdir()) == [] and list(b.iterdir()) == []
