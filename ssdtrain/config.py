@@ -65,6 +65,10 @@ def _env_bool(name: str) -> bool | None:
     raise ValueError(f"environment variable {name}={raw!r} must be one of on, off, auto")
 
 
+def _default_io_threads() -> int:
+    return min(4, max(2, os.cpu_count() or 2))
+
+
 def _default_paths() -> tuple[str, ...]:
     raw = os.environ.get("SSDTRAIN_PATH")
     if raw:
@@ -108,8 +112,9 @@ class OffloadConfig:
     (with one warning). A failed read always raises: garbage is never returned."""
     verify: bool = False
     """Checksum (CRC32) each extent when written and check it when read back."""
-    io_threads: int = field(default_factory=lambda: int(_env("SSDTRAIN_IO_THREADS", 4)))
-    """I/O worker threads per path."""
+    io_threads: int = field(default_factory=lambda: int(_env("SSDTRAIN_IO_THREADS", _default_io_threads())))
+    """I/O worker threads per path (and as many again for reads). Default: one per core, 2 to 4:
+    on a small machine every extra thread competes with compute for the same cores."""
     direct_io: bool | None = field(default_factory=lambda: _env_bool("SSDTRAIN_DIRECT_IO"))
     """O_DIRECT for the posix backend: ``True`` (required), ``False``, or ``None`` (when the
     filesystem supports it)."""
