@@ -170,15 +170,9 @@ def patch(config: ssdtrain.OffloadConfig | Mapping | None = None, *, model: Any 
             f"{_SCHEDULES}.forward_step.{_MARK}) before patching again")
     cfg = _resolve(config, overrides)
     if isinstance(model, (list, tuple)):
-        if len(model) == 1:
-            model = model[0]
-        elif cfg.keep_last_layers:
-            raise ValueError(
-                f"keep_last_layers={cfg.keep_last_layers} with {len(model)} model chunks (interleaved "
-                "schedule) is not supported yet; set it to 0 (writes still queued when a micro-batch's "
-                "backward begins are kept in memory anyway)")
-        else:
-            model = None
+        # Model chunks of an interleaved schedule, in layer order: the Offloader counts their
+        # blocks as one sequence, so keep_last_layers keeps the last blocks of the last chunk.
+        model = model[0] if len(model) == 1 else list(model)
     if cfg.keep_last_layers and model is None:
         raise ValueError(
             f"keep_last_layers={cfg.keep_last_layers} counts the model's last blocks: pass the model "

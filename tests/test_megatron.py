@@ -199,9 +199,11 @@ def test_patch_from_args_through_a_real_parser(schedules, tmp_path):
 def test_keep_last_layers_needs_the_model(schedules, tmp_path):
     with pytest.raises(ValueError, match="model="):
         ssd_megatron.patch(path=str(tmp_path), backend="memory", keep_last_layers=1)
-    with pytest.raises(ValueError, match="model chunks"):
-        ssd_megatron.patch(path=str(tmp_path), backend="memory", keep_last_layers=1,
-                           model=[torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+    chunks = [torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)]))
+              for _ in range(2)]
+    with ssd_megatron.patch(path=str(tmp_path), backend="memory", keep_last_layers=1, model=chunks) as h:
+        # Both chunks' blocks, in order: the last one kept is chunk 1's last block.
+        assert h.offloader._blocks == [*chunks[0][0], *chunks[1][0]]
     blocks = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(3)]))
     with ssd_megatron.patch(path=str(tmp_path), backend="memory", keep_last_layers=1, model=blocks) as h:
         assert h.offloader.config.keep_last_layers == 1
