@@ -25,7 +25,7 @@ __all__ = ["State", "Entry", "Ref", "StorageIndex", "byte_span", "rebuild", "byt
 
 # The widest element (complex128): entry spans start on a multiple of it, so every view of the
 # storage, whatever its dtype, lands on a whole element of the rebuilt buffer.
-_SPAN_ALIGN = 16
+SPAN_ALIGN = 16
 
 
 class State(enum.Enum):
@@ -69,7 +69,7 @@ class Entry:
     __slots__ = (
         "id", "key", "version", "storage_ref", "lo", "nbytes", "device", "scope", "layer", "index", "state",
         "data", "guard", "guard_weak", "extent", "checksum", "write_future", "read_future", "read_buf",
-        "read_by_prefetch", "loaded", "loaded_weak", "gen", "unpacked_refs", "consumed_pass", "refs", "error",
+        "loaded", "loaded_weak", "gen", "unpacked_refs", "consumed_pass", "refs", "error",
         "tainted", "fence", "forwarded", "offloaded", "counted_ahead",
         "__weakref__",
     )
@@ -100,7 +100,6 @@ class Entry:
         self.write_future = None
         self.read_future = None
         self.read_buf: torch.Tensor | None = None
-        self.read_by_prefetch = False
         self.loaded: torch.Tensor | None = None
         self.loaded_weak: weakref.ref | None = None
         self.gen = 0

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ssdtrain import device
-from ssdtrain.cache import Entry, Ref, State, StorageIndex, byte_span, rebuild
+from ssdtrain.cache import SPAN_ALIGN, Entry, Ref, State, StorageIndex, byte_span, rebuild
 from ssdtrain.config import OffloadConfig
 from ssdtrain.schedule import Scope, find_blocks
 from ssdtrain.stats import Counters, OffloadStats
@@ -36,7 +36,6 @@ __all__ = ["Offloader", "offload", "no_offload"]
 
 log = logging.getLogger(__name__)
 
-_SPAN_ALIGN = 16  # see cache._SPAN_ALIGN
 
 
 class Offloader:
@@ -126,9 +125,11 @@ class Offloader:
         self._warned_keep = False
         self._closed = False
         self._hook_handles = []
+        # The model must not keep the offloader alive (its finalizer closes it): hooks hold it weakly.
+        layers = _LayerTracker(self._layer_stack)
         for i, block in enumerate(self._blocks):
-            self._hook_handles.append(block.register_forward_pre_hook(partial(self._enter_block, i)))
-            self._hook_handles.append(block.register_forward_hook(self._leave_block))
+            self._hook_handles.append(block.register_forward_pre_hook(partial(layers.enter, i)))
+            self._hook_handles.append(block.register_forward_hook(layers.leave))
         self._counters.total.backend = self._backend.describe()
         self._finalizer = weakref.finalize(self, _shutdown, self._backend, self._hook_handles)
         self._endurance = self._make_endurance()
@@ -272,13 +273,6 @@ class Offloader:
                 warnings.warn(msg, RuntimeWarning, stacklevel=3)
         self._safe_point(raise_errors=raise_errors)
 
-    def _enter_block(self, index: int, module: nn.Module, args: Any) -> None:
-        self._layer_stack.append(index)
-
-    def _leave_block(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._layer_stack:
-            self._layer_stack.pop()
-
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this Offloader is closed; create a new one")
@@ -313,7 +307,7 @@ class Offloader:
                 # QKV; transposes) are found in the same entry.
                 lo, hi = 0, storage_bytes
             else:
-                lo -= lo % _SPAN_ALIGN
+                lo -= lo % SPAN_ALIGN
             layer = self._layer_stack[-1] if self._layer_stack else None
             with self._lock:
                 self._counters.add(scope.stats_id, "saved_bytes", t.numel() * t.element_size())
@@ -674,6 +668,20 @@ class Offloader:
         except ImportError:
             return None
         return EnduranceMonitor(list(self.config.paths), self.config.rated_tbw, self.config.endurance_horizon_days)
+
+
+class _LayerTracker:
+    """Forward hooks on the blocks: which block is running (a stack, for nested calls)."""
+
+    def __init__(self, stack: list[int]) -> None:
+        self.stack = stack
+
+    def enter(self, index: int, module: nn.Module, args: Any) -> None:
+        self.stack.append(index)
+
+    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.stack:
+            self.stack.pop()
 
 
 def _shutdown(backend: Backend, handles: list) -> None:

@@ -18,7 +18,6 @@ import argparse
 import ctypes
 import dataclasses
 import json
-import mmap
 import os
 import sys
 import tempfile

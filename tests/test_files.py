@@ -145,3 +145,13 @@ def test_sigkill_leaves_nothing(off_dir, when):
         proc.stdout.close()
     assert proc.returncode == -signal.SIGKILL
     assert list(off_dir.iterdir()) == []  # no directory, no file, no bytes
+
+
+def test_the_model_does_not_keep_the_offloader_alive(off_dir):
+    model = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(3)]))
+    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0)
+    assert len(off._blocks) == 3
+    del off
+    gc.collect()
+    assert _arena_fds(off_dir) == []  # closed by its finalizer
+    assert not model[0][0]._forward_pre_hooks and not model[0][0]._forward_hooks  # hooks removed
