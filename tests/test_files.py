@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ssdtrain
-import ssdtrain.store.posix as posix
+from ssdtrain.store import _arena
 
 
 def _arena_fds(directory):
@@ -52,14 +52,14 @@ def test_arena_is_private_and_unlinked(off_dir):
 def test_private_dir_is_created_0700(off_dir, monkeypatch):
     modes = []
     real = os.mkdir
-    monkeypatch.setattr(posix.os, "mkdir", lambda p, mode=0o777: (modes.append(mode), real(p, mode))[1])
+    monkeypatch.setattr(_arena.os, "mkdir", lambda p, mode=0o777: (modes.append(mode), real(p, mode))[1])
     ssdtrain.Offloader(path=str(off_dir)).close()
     assert modes == [0o700]
 
 
 @pytest.mark.parametrize("kind", ["symlink", "file"])
 def test_existing_name_is_refused_not_followed(off_dir, tmp_path, monkeypatch, kind):
-    monkeypatch.setattr(posix.secrets, "token_hex", lambda n: "fixed")
+    monkeypatch.setattr(_arena.secrets, "token_hex", lambda n: "fixed")
     name = off_dir / f"ssdtrain-{os.getpid()}-fixed"
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

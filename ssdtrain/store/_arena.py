@@ -7,13 +7,18 @@ An arena is one unlinked file on one path with its allocator. A backend built on
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import secrets
 import threading
+from collections.abc import Callable, Iterator
 
 import torch
 
 from ssdtrain.store import _fs
 from ssdtrain.store._hostbuf import HostBufferPool
+from ssdtrain.store.allocator import ExtentAllocator
 from ssdtrain.store.base import ALIGN, Backend, Extent
 
 log = logging.getLogger(__name__)
@@ -24,6 +29,48 @@ TRIM_BATCH_BYTES = 256 << 20
 """At most this much is punched per trim task (punching stalls direct I/O on the file)."""
 
 
+class Arena:
+    """What every arena holds besides its file: allocator, counters, page leads of extents."""
+
+    def __init__(self, index: int, path: str) -> None:
+        self.index = index
+        self.path = path
+        self.lock = threading.Lock()
+        self.alloc = ExtentAllocator(ALIGN)
+        self.leads: dict[int, int] = {}  # extent offset -> its payload's offset within the first page
+        self.queued = 0
+        self.written = 0
+        self.read = 0
+        self.trimming = False
+
+
+# Note [nothing left on disk]
+# The arena is reachable only through our file descriptors: the directory and the file are
+# removed right after opening. A process killed with SIGKILL leaves nothing to clean up (the
+# kernel frees the blocks when the last descriptor closes), two offloaders or processes can never
+# open each other's arena, and the private directory (0700, O_EXCL file 0600) is never followed
+# through a symlink: mkdir refuses any existing name.
+@contextlib.contextmanager
+def private_name(path: str) -> Iterator[str]:
+    """A fresh file name in a new private directory under ``path``; both are gone on exit."""
+    private = os.path.join(path, f"ssdtrain-{os.getpid()}-{secrets.token_hex(6)}")
+    try:
+        os.mkdir(private, 0o700)
+    except FileExistsError as e:
+        raise ValueError(f"{private!r} already exists; refusing to use or follow it") from e
+    except OSError as e:
+        raise ValueError(f"cannot create a directory in path={path!r} ({e.strerror})") from e
+    name = os.path.join(private, "arena")
+    try:
+        yield name
+    finally:
+        for undo in (lambda: os.unlink(name), lambda: os.rmdir(private)):
+            try:
+                undo()
+            except FileNotFoundError:
+                pass
+
+
 class ArenaBackend(Backend):
     """Placement and bookkeeping over ``self._arenas``; subclasses open them and move the bytes."""
 
@@ -32,6 +79,25 @@ class ArenaBackend(Backend):
         self._pool = HostBufferPool(pool_bytes)
         self._place_lock = threading.Lock()
         self._closed = False
+
+    def _open_arenas(self, paths: tuple[str, ...], make: Callable[[int, str], object]) -> None:
+        """Opens one arena per path (closing those opened if one fails), then warns about RAM."""
+        try:
+            for i, p in enumerate(paths):
+                self._arenas.append(make(i, p))
+        except BaseException:
+            self.close()
+            raise
+        self._warn_ram_backed()
+
+    def close(self) -> None:
+        """Waits for I/O in flight (each arena's pools) and closes the files; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for a in self._arenas:
+            a.close()
+        self._pool.close()
 
     def _warn_ram_backed(self) -> None:
         for a in self._arenas:

@@ -20,8 +20,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import secrets
-import threading
 import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,10 +33,9 @@ except ImportError:
     raise ImportError("kvikio is not installed; pip install 'ssdtrain[kvikio]'") from None
 
 from ssdtrain.config import OffloadConfig
-from ssdtrain.store._arena import ArenaBackend
+from ssdtrain.store._arena import Arena, ArenaBackend, private_name
 from ssdtrain.store._hostbuf import lead_of, raw_view
-from ssdtrain.store.allocator import ExtentAllocator
-from ssdtrain.store.base import ALIGN, ChecksumError, Extent, StorageError, align_up
+from ssdtrain.store.base import ChecksumError, Extent, StorageError, align_up
 
 __all__ = ["KvikioBackend"]
 
@@ -53,40 +50,20 @@ def _settings(cfg: OffloadConfig) -> dict:
     return want
 
 
-class _Arena:
+class _Arena(Arena):
+    """An arena file opened by kvikio (cuFile)."""
+
     def __init__(self, index: int, path: str, cfg: OffloadConfig) -> None:
         from ssdtrain.store.posix import prepare_dir
 
+        super().__init__(index, path)
         prepare_dir(path, create=cfg.create_path)
-        self.index = index
-        self.path = path
-        self.lock = threading.Lock()
-        self.alloc = ExtentAllocator(ALIGN)
-        self.leads: dict[int, int] = {}
-        self.queued = 0
-        self.written = 0
-        self.read = 0
-        self.trimming = False
-        # Note [nothing left on disk]: a private 0700 directory and an O_EXCL 0600 file, both
-        # removed as soon as kvikio has its descriptors.
-        private = os.path.join(path, f"ssdtrain-{os.getpid()}-{secrets.token_hex(6)}")
-        try:
-            os.mkdir(private, 0o700)
-        except OSError as e:
-            raise ValueError(f"cannot create a private directory in path={path!r} ({e.strerror})") from e
-        name = os.path.join(private, "arena")
-        try:
+        with private_name(path) as name:  # Note [nothing left on disk] (in _arena.py)
             os.close(os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600))
             try:
                 self.file = kvikio.CuFile(name, "r+")
             except RuntimeError as e:
                 raise ValueError(f"kvikio cannot open a file in path={path!r}: {e}") from e
-        finally:
-            for undo in (lambda: os.unlink(name), lambda: os.rmdir(private)):
-                try:
-                    undo()
-                except FileNotFoundError:
-                    pass
         self.direct = cfg.direct_io is not False and self.file.is_direct_io_supported()
         self.pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix=f"ssdtrain-kvikio{index}")
 
@@ -117,13 +94,7 @@ class KvikioBackend(ArenaBackend):
         self.task_size = cfg.chunk_bytes
         want = _settings(cfg)
         kvikio.defaults.set(want)
-        try:
-            for i, p in enumerate(cfg.paths):
-                self._arenas.append(_Arena(i, p, cfg))
-        except BaseException:
-            self.close()
-            raise
-        self._warn_ram_backed()
+        self._open_arenas(cfg.paths, lambda i, p: _Arena(i, p, cfg))
 
     @property
     def gds(self) -> bool:
@@ -198,14 +169,6 @@ class KvikioBackend(ArenaBackend):
         mode = "GDS" if self.gds else "compat"
         return f"kvikio ({mode}): " + ", ".join(
             f"{a.path} ({'O_DIRECT' if a.direct else 'buffered'})" for a in self._arenas)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for a in self._arenas:
-            a.close()
-        self._pool.close()
 
 
 def _room_before(t: torch.Tensor) -> int:

@@ -17,7 +17,6 @@ import errno
 import logging
 import mmap
 import os
-import secrets
 import threading
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,10 +27,9 @@ import torch
 from ssdtrain import device
 from ssdtrain.config import OffloadConfig
 from ssdtrain.store import _fs
-from ssdtrain.store._arena import ArenaBackend
+from ssdtrain.store._arena import Arena, ArenaBackend, private_name
 from ssdtrain.store._hostbuf import lead_of, raw_view, windows
 from ssdtrain.store._mem import capacity, gather, profiled
-from ssdtrain.store.allocator import ExtentAllocator
 from ssdtrain.store.base import ALIGN, ChecksumError, Extent, StorageError, align_up
 
 log = logging.getLogger(__name__)
@@ -57,41 +55,16 @@ def prepare_dir(path: str, *, create: bool) -> None:
         raise ValueError(f"path={path!r} is not writable by this process; choose a directory you can write to")
 
 
-# Note [nothing left on disk]
-# The arena is reachable only through our file descriptors: the directory and the file are
-# removed right after opening. A process killed with SIGKILL leaves nothing to clean up (the
-# kernel frees the blocks when the last descriptor closes), two offloaders or processes can never
-# open each other's arena, and the private directory (0700, O_EXCL file 0600) is never followed
-# through a symlink: mkdir refuses any existing name.
-class _Arena:
+class _Arena(Arena):
+    """An arena file opened twice: buffered, and with O_DIRECT where the filesystem allows."""
+
     def __init__(self, index: int, path: str, cfg: OffloadConfig) -> None:
-        self.index = index
-        self.path = path
-        self.lock = threading.Lock()
-        self.alloc = ExtentAllocator(ALIGN)
-        self.queued = 0
-        self.written = 0
-        self.read = 0
-        self.leads: dict[int, int] = {}  # extent offset -> its payload's offset within the first page
-        self.trimming = False
-        private = os.path.join(path, f"ssdtrain-{os.getpid()}-{secrets.token_hex(6)}")
-        try:
-            os.mkdir(private, 0o700)
-        except FileExistsError as e:
-            raise ValueError(f"{private!r} already exists; refusing to use or follow it") from e
-        except OSError as e:
-            raise ValueError(f"cannot create a directory in path={path!r} ({e.strerror})") from e
-        name = os.path.join(private, "arena")
+        super().__init__(index, path)
+        prepare_dir(path, create=cfg.create_path)
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-        try:
+        with private_name(path) as name:  # Note [nothing left on disk]
             self.fd = os.open(name, flags, 0o600)
             self.fd_direct = self._open_direct(name, cfg.direct_io)
-        finally:
-            for undo in (lambda: os.unlink(name), lambda: os.rmdir(private)):
-                try:
-                    undo()
-                except FileNotFoundError:
-                    pass
         self.direct = self.fd_direct is not None
         # Reads have their own threads: backward waits on them, so they never queue behind writes.
         self.pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix=f"ssdtrain-io{index}")
@@ -182,14 +155,7 @@ class PosixBackend(ArenaBackend):
         super().__init__(2 * cfg.prefetch_bytes)
         self.cfg = cfg
         self.chunk = cfg.chunk_bytes
-        try:
-            for i, p in enumerate(cfg.paths):
-                prepare_dir(p, create=cfg.create_path)
-                self._arenas.append(_Arena(i, p, cfg))
-        except BaseException:
-            self.close()
-            raise
-        self._warn_ram_backed()
+        self._open_arenas(cfg.paths, lambda i, p: _Arena(i, p, cfg))
 
     # -- I/O ---------------------------------------------------------------------------------
     def _windows(self, arena: _Arena, extent: Extent, lead: int):
@@ -291,14 +257,6 @@ class PosixBackend(ArenaBackend):
     @property
     def direct(self) -> bool:
         return all(a.direct for a in self._arenas)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for a in self._arenas:
-            a.close()
-        self._pool.close()
 
 
 class _Once:
