@@ -67,7 +67,7 @@ class Entry:
     """One stored region of one storage, shared by every save of it."""
 
     __slots__ = (
-        "id", "key", "version", "storage_ref", "lo", "nbytes", "device", "scope", "layer", "index", "state",
+        "id", "key", "version", "storage_ref", "lo", "nbytes", "device", "scope", "layer", "state",
         "data", "guard", "guard_weak", "extent", "checksum", "write_future", "read_future", "read_buf",
         "loaded", "loaded_weak", "gen", "unpacked_refs", "consumed_pass", "refs", "error",
         "tainted", "fence", "forwarded", "offloaded", "counted_ahead",
@@ -87,7 +87,6 @@ class Entry:
         self.device = t.device
         self.scope = scope
         self.layer = layer
-        self.index = -1
         self.state = State.KEPT
         self.data: torch.Tensor | None = byte_view(storage, lo, hi - lo, t.device)
         # The version counter is shared by ``t`` and its detached alias. Holding ``t`` itself would
@@ -115,10 +114,6 @@ class Entry:
 
     def covers(self, lo: int, hi: int) -> bool:
         return self.lo <= lo and hi <= self.lo + self.nbytes
-
-    @property
-    def in_memory(self) -> bool:
-        return self.data is not None
 
     def current_version(self) -> int | None:
         """The saved tensor's version now, if it (or its base) can still be seen."""

@@ -335,7 +335,6 @@ class Offloader:
         self._index.add(e)
         self._entries[e.id] = e
         scope.live_entries += 1
-        e.index = len(scope.order) - 1  # where it falls in pack order (kept entries are not in it)
         self._counters.add(scope.stats_id, "unique_bytes", n)
         self._counters.resident(n)
         last = len(self._blocks) - cfg.keep_last_layers

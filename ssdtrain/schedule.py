@@ -34,7 +34,6 @@ class Scope:
         self.armed = False       # backward announced, nothing unpacked yet
 
     def add(self, entry: Entry) -> None:
-        entry.index = len(self.order)
         self.order.append(entry)
         if entry.layer is not None and (self.top_layer is None or entry.layer > self.top_layer):
             self.top_layer = entry.layer
