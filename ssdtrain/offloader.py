@@ -36,6 +36,12 @@ __all__ = ["Offloader", "offload", "no_offload"]
 
 log = logging.getLogger(__name__)
 
+# Note [a window as small as the drive allows]: the share of time backward may wait on reads
+# before the read-ahead window doubles (at the next pass), and the share that doubles it at once.
+STALL_BUDGET = 0.01
+STALL_RUSH = 0.10
+_now = time.perf_counter  # a seam for the tests of that policy
+
 
 
 class Offloader:
@@ -103,10 +109,19 @@ class Offloader:
         self._writing = 0
         self._writing_bytes = 0
         self._late_frees = 0  # extents of freed entries still being read into a dropped buffer
-        # Note [a window as small as the drive allows]: read-ahead starts small and doubles
-        # whenever backward had to wait for a read, up to prefetch_bytes. A fast drive thus costs
-        # little memory, a slow one gets the window it needs, with no profiling pass.
-        self._window = min(config.prefetch_bytes, max(2 * config.chunk_bytes, 16 << 20))
+        # Note [a window as small as the drive allows]: read-ahead starts small and is resized
+        # once per backward pass (at its start) from what the pass before it cost: it doubles
+        # when backward waited on reads for more than STALL_BUDGET of that time, and shrinks by
+        # a quarter after a pass with no wait at all. A fast drive thus costs little memory, a
+        # slow one gets the window it needs, with no profiling pass; and one wait caused by a
+        # hiccup of the machine does not grow the window for the rest of the run. A drive far
+        # too slow for the window grows it at once (STALL_RUSH), without waiting for the pass.
+        self._window_min = min(config.prefetch_bytes, max(2 * config.chunk_bytes, 16 << 20))
+        self._window = self._window_min
+        self._period_start = _now()
+        self._period_stall = 0.0
+        self._period_misses = 0
+        self._last_period = 0.0
         # Writes handed to the backend at once: enough to keep every I/O thread busy, few enough
         # that the rest stays queued: cancellable when backward wants it first (adaptive keep),
         # and not in the way of reads.
@@ -610,11 +625,33 @@ class Offloader:
         """Under the lock. Adaptive keep: writes still queued are exactly what backward needs
         first, so cancel them and keep those tensors; then start reading the tail."""
         scope.backward_started = True
+        self._resize_window()
         scope.restart()
         for e in scope.queued():
             self._cancel_write(e)
             self._counters.add(scope.stats_id, "adaptive_keep_bytes", e.nbytes)
         self._prefetch(scope, None)
+
+    def _note_read_stall(self, waited: float) -> None:
+        """Under the lock: backward waited ``waited`` seconds for a read."""
+        self._period_misses += 1
+        self._period_stall += waited
+        now = _now()
+        # Against the last pass's length too: waits right after a pass starts are common.
+        if self._period_stall > STALL_RUSH * max(now - self._period_start, self._last_period):
+            self._window = min(2 * self._window, self.config.prefetch_bytes)
+            self._period_start, self._period_stall = now, 0.0
+
+    def _resize_window(self) -> None:
+        """Under the lock, as a backward pass begins: Note [a window as small as the drive allows]."""
+        now = _now()
+        elapsed = now - self._period_start
+        if self._period_stall > STALL_BUDGET * elapsed:
+            self._window = min(2 * self._window, self.config.prefetch_bytes)
+        elif self._period_misses == 0:
+            self._window = max(self._window_min, self._window - self._window // 4)
+        self._period_start, self._period_stall, self._period_misses = now, 0.0, 0
+        self._last_period = elapsed
 
     def _prefetch(self, scope: Scope, layer: int | None) -> None:
         cfg = self.config
@@ -639,7 +676,7 @@ class Offloader:
                 fut.exception()  # waits
             waited = time.perf_counter() - start
             with self._lock:
-                self._window = min(2 * self._window, self.config.prefetch_bytes)
+                self._note_read_stall(waited)
                 self._counters.add(e.scope.stats_id, "prefetch_misses", 1)
                 self._counters.add(e.scope.stats_id, "read_stall_seconds", waited)
                 self._counters.add(e.scope.stats_id, "stall_seconds", waited)

@@ -53,7 +53,8 @@ class OffloadStats:
     prefetch_misses: int = 0
     """Unpacks that had to wait for (or issue) their read."""
     prefetch_window_bytes: int = 0
-    """Bytes backward reads ahead now: starts small, doubles after each wait, up to prefetch_bytes."""
+    """Bytes backward reads ahead now: starts small, doubles when backward waited on reads for
+    more than 1% of a step, shrinks after a step with no wait; at most prefetch_bytes."""
     failed_writes: int = 0
     failed_reads: int = 0
     live_entries: int = 0

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import ssdtrain
+import ssdtrain.offloader as offloader_mod
 import ssdtrain.store.posix as posix
 from ssdtrain.models import GPT, GPTConfig
 from ssdtrain.schedule import find_blocks
@@ -223,4 +224,45 @@ def test_profiler_ranges(off_dir):
         y.sum().backward()
     names = {e.name for e in prof.events() if e.name.startswith("ssdtrain.")}
     assert {"ssdtrain.pack", "ssdtrain.unpack", "ssdtrain.write", "ssdtrain.read"} <= names
+    off.close()
+
+
+def test_window_grows_with_waiting_and_shrinks_without(monkeypatch):
+    """Note [a window as small as the drive allows], on a fake clock: a pass that waited on
+    reads for more than 1% of its time doubles the window for the next one, small waits keep
+    it, none shrinks it by a quarter down to where it started; waits that add up to 10% of the
+    last pass double it at once."""
+    clock = [1000.0]
+    monkeypatch.setattr(offloader_mod, "_now", lambda: clock[0])
+    off = ssdtrain.Offloader(backend="memory", prefetch_bytes="128MiB")
+    w0 = off.stats().prefetch_window_bytes
+    assert w0 == 16 << 20
+
+    def backward_pass(seconds, stalls=()):
+        """The window this pass reads ahead with; then it waits ``stalls`` and lasts ``seconds``."""
+        with off._lock:
+            off._resize_window()  # what the start of a backward pass does
+            window = off._window
+            for stall in stalls:
+                off._note_read_stall(stall)
+        clock[0] += seconds
+        return window
+
+    clock[0] += 1.0                                   # the first forward
+    assert backward_pass(2.0, [0.01]) == w0
+    assert backward_pass(2.0, [0.02, 0.03]) == w0     # 0.5% waited before: kept
+    assert backward_pass(2.0) == 2 * w0               # 2.5% waited before: doubled
+    assert backward_pass(2.0) == 2 * w0 - w0 // 2     # no wait: a quarter less
+    sizes = [backward_pass(2.0) for _ in range(6)]
+    assert sizes == sorted(sizes, reverse=True) and sizes[-1] == w0  # down to the floor, not below
+    for _ in range(8):
+        backward_pass(2.0, [0.1])
+    assert backward_pass(2.0) == 128 << 20            # at most prefetch_bytes
+    with off._lock:
+        off._resize_window()
+        off._window = w0
+        off._note_read_stall(0.1)                     # 5% of the last pass: wait for the pass
+        assert off._window == w0
+        off._note_read_stall(0.15)                    # 12.5%: now
+        assert off._window == 2 * w0
     off.close()
