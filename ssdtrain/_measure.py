@@ -6,7 +6,8 @@
 * :class:`RssSampler` - this process's resident set from ``/proc/self/statm`` on a thread.
 * :func:`mmap_large_allocations` and :func:`malloc_trimmer` - glibc settings so that RSS follows
   live memory: large tensors are returned to the system when freed, and a step's growth is not
-  hidden by memory an earlier step freed but the allocator kept.
+  hidden by memory an earlier step freed but the allocator kept; :func:`usual_allocations` puts
+  glibc back to what it does unattended, for timing.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["RssSampler", "SavedMeter", "block_saved_bytes", "malloc_trimmer", "mmap_large_allocations"]
+__all__ = ["RssSampler", "SavedMeter", "block_saved_bytes", "malloc_trimmer", "mmap_large_allocations",
+           "usual_allocations"]
 
 
 class _Held:
@@ -230,3 +232,15 @@ def mmap_large_allocations(threshold: int = 1 << 20) -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     return bool(mallopt(-3, int(threshold)))  # -3: M_MMAP_THRESHOLD
+
+
+def usual_allocations() -> bool:
+    """Undo :func:`mmap_large_allocations`: glibc's thresholds as its own adjustment leaves them
+    for tensors of up to 32 MiB (mmap above ``DEFAULT_MMAP_THRESHOLD_MAX``, trim above twice
+    that). Returns False where this is not glibc."""
+    libc = _libc()
+    mallopt = getattr(libc, "mallopt", None)
+    if mallopt is None:
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    return bool(mallopt(-3, 32 << 20)) and bool(mallopt(-1, 64 << 20))  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD

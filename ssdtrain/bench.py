@@ -6,14 +6,16 @@ Three modes train the same model (same initial weights, same batches) in one pro
 * ``recompute`` - ``torch.utils.checkpoint`` per block (``use_reentrant=False``);
 * ``offload`` - :class:`ssdtrain.Offloader` on the model, default config, at ``--path``.
 
-Steps alternate between the modes (baseline, recompute, offload, baseline, ...) so that noise
-from the machine hits all alike; the first step of each mode is a warm-up and is not counted.
-Timed steps run with no instrumentation but a small RSS sampler thread (all modes alike).
+Each round runs every mode once on the same batch, in alternating order (baseline, recompute,
+offload; then offload, recompute, baseline; ...), so that noise from the machine hits all alike;
+the first round is a warm-up and is not counted. Timed steps run with no instrumentation, on
+glibc's usual allocator settings. Memory is measured before them, in untimed steps.
 
 What the table reports, per mode:
 
 * **step time** - median over the timed steps (zero_grad, forward, backward, optimizer step;
-  for offload also ``off.wait()``), and its ratio to baseline.
+  for offload also ``off.wait()``); **vs base**: the median over rounds of the step time
+  divided by baseline's in the same round (Note [timing on a noisy machine]).
 * **peak saved** - the peak bytes of saved activations held in memory. For offload this is the
   offloader's own ``peak_resident_bytes`` (max over the timed steps). For baseline and
   recompute it is measured in one extra, untimed step with a ``saved_tensors_hooks`` counter of
@@ -22,9 +24,11 @@ What the table reports, per mode:
   checkpointing holds: each block's input until that block's backward is done, and one block's
   activations (measured on a single block) while it is recomputed.
 * **peak RSS growth** - the process's resident set sampled from ``/proc/self/statm`` every
-  ~2 ms during each timed step, max minus the value at the step's start; max over the timed
-  steps. So that RSS follows live memory, the bench sets glibc's mmap threshold to 1 MiB (large
-  tensors go back to the system when freed) and calls ``malloc_trim`` before each step.
+  ~2 ms during an untimed step (each mode's second), max minus the value at the step's start.
+  So that RSS follows live memory, those steps run with glibc's mmap threshold at 1 MiB (large
+  tensors go back to the system when freed) and ``malloc_trim`` before each. The timed steps run
+  after, with the thresholds back at what glibc reaches by itself (its page faults would slow
+  every mode by ~20% on the machine this was built on).
 * **written / read** - bytes per step to and from the drive; **write / read GB/s** - those
   over the median step time, beside the drive's raw O_DIRECT bandwidth measured by the probe at
   the start of the same run; **stall** - median seconds per step compute waited on I/O.
@@ -47,7 +51,8 @@ from typing import Any
 
 import torch
 
-from ssdtrain._measure import RssSampler, SavedMeter, block_saved_bytes, malloc_trimmer, mmap_large_allocations
+from ssdtrain._measure import (RssSampler, SavedMeter, block_saved_bytes, malloc_trimmer, mmap_large_allocations,
+                               usual_allocations)
 from ssdtrain._progress import Progress
 from ssdtrain.models import GPT, GPTConfig, preset
 
@@ -95,7 +100,6 @@ def _default_work_dir() -> str:
 class _Step:
     seconds: float
     loss: float
-    rss_growth: int | None = None
     peak_saved: int | None = None
     written: int = 0
     read: int = 0
@@ -141,17 +145,13 @@ class _Mode:
         self.opt.step()
         return float(loss.detach())
 
-    def timed_step(self, tokens, targets, sampler: RssSampler, trim) -> _Step:
+    def timed_step(self, tokens, targets) -> _Step:
         before = self.off.stats() if self.off is not None else None
         if self.off is not None:
             self.off.reset_peak()
-        trim()
-        sampler.start()
         t0 = time.perf_counter()
         loss = self._forward_backward(tokens, targets)
-        seconds = time.perf_counter() - t0
-        growth = sampler.stop()
-        step = _Step(seconds=seconds, loss=loss, rss_growth=growth)
+        step = _Step(seconds=time.perf_counter() - t0, loss=loss)
         if self.off is not None:
             after = self.off.stats()
             step.peak_saved = after.peak_resident_bytes
@@ -160,9 +160,10 @@ class _Mode:
             step.stall = after.stall_seconds - before.stall_seconds
         return step
 
-    def measure_step(self, tokens, targets, block_bytes: int) -> tuple[int, _Timeline]:
-        """An untimed step recording saved bytes over time; returns (peak, timeline)."""
+    def measure_step(self, tokens, targets, block_bytes: int, sampler: RssSampler) -> tuple[int, _Timeline, int | None]:
+        """An untimed step recording saved bytes over time; returns (peak, timeline, RSS growth)."""
         marks: dict[str, float] = {}
+        sampler.start()
         if self.off is not None:
             self.off.reset_peak()
             points = self.off.record_timeline(True)
@@ -183,10 +184,11 @@ class _Mode:
             end = time.perf_counter()
             peak = meter.peak
             points = [(t - t0, b) for t, b in meter.timeline]
+        growth = sampler.stop()
         timeline = _Timeline(points=[(0.0, points[0][1] if points else 0)] + points,
                              forward_end=marks["forward_end"] - t0,
                              backward_end=marks["backward_end"] - t0, step_end=end - t0)
-        return peak, timeline
+        return peak, timeline, growth
 
     def close(self) -> None:
         if self.off is not None:
@@ -283,32 +285,45 @@ def run(args: BenchArgs) -> dict:
         result["offload"] = {"backend": modes["offload"].off.backend,
                              "config": _config_dict(modes["offload"].off.config)}
 
-    mmap_large_allocations()
     sampler = RssSampler()
-    trim = malloc_trimmer()
     steps: dict[str, list[_Step]] = {name: [] for name in modes}
     rounds = 1 + args.steps
     bar = Progress(total=rounds * len(modes) + len(modes), label="bench", enabled=args.progress)
     batches = iter(loader)
     try:
-        for r in range(rounds):
-            tokens, targets = next(batches)
-            for name, mode in modes.items():
-                bar.draw(f"{name} step {r}/{args.steps}" + (" (warm-up)" if r == 0 else ""), force=True)
-                step = mode.timed_step(tokens, targets, sampler, trim)
-                if r > 0:
-                    steps[name].append(step)
-                bar.update(note=f"{name} {step.seconds:.2f}s")
+        # Memory first, in untimed steps. So that RSS follows live memory, large allocations go
+        # back to the system when freed. The first such step of a mode pays for its first
+        # allocations, so each mode runs two and the second one counts.
         tokens, targets = next(batches)
         block_bytes = 0
         if "recompute" in modes:
             m = modes["recompute"].model
             block_bytes = block_saved_bytes(m.blocks[0], args.batch, cfg.seq, cfg.hidden, dtype)
+        mmap_large_allocations()
+        trim = malloc_trimmer()
         measured = {}
         for name, mode in modes.items():
             bar.draw(f"{name} memory timeline", force=True)
-            measured[name] = mode.measure_step(tokens, targets, block_bytes)
+            for _ in range(2):
+                trim()
+                measured[name] = mode.measure_step(tokens, targets, block_bytes, sampler)
             bar.update()
+        # Then time, with the allocator as glibc runs it unattended (that setting's page faults
+        # slow every mode by ~20% on the machine this was built on).
+        usual_allocations()
+        # Note [timing on a noisy machine]: each round runs every mode once on the same batch,
+        # in alternating order (A B, B A, ...) so that neither mode always follows the other;
+        # ratios are taken within a round, where the machine's state is shared, and their median
+        # over rounds is reported.
+        for r in range(rounds):
+            tokens, targets = next(batches)
+            order = list(modes.items())
+            for name, mode in order if r % 2 == 0 else reversed(order):
+                bar.draw(f"{name} step {r}/{args.steps}" + (" (warm-up)" if r == 0 else ""), force=True)
+                step = mode.timed_step(tokens, targets)
+                if r > 0:
+                    steps[name].append(step)
+                bar.update(note=f"{name} {step.seconds:.2f}s")
     finally:
         bar.close()
         for mode in modes.values():
@@ -331,21 +346,26 @@ def _config_dict(config) -> dict:
 
 def _summarize(steps: dict[str, list[_Step]], measured: dict, drive: dict) -> dict:
     out: dict[str, dict] = {}
+    base_times = [s.seconds for s in steps["baseline"]] if "baseline" in steps else None
     for name, ss in steps.items():
         t = statistics.median(s.seconds for s in ss)
         if name == "offload":
             peak_saved = max(s.peak_saved or 0 for s in ss)  # the worst step: what memory must hold
         else:
             peak_saved = measured[name][0]
-        rss = [s.rss_growth for s in ss if s.rss_growth is not None]
+        rss = measured[name][2]
         written = round(statistics.fmean(s.written for s in ss))
         read = round(statistics.fmean(s.read for s in ss))
+        ratios = [s.seconds / b for s, b in zip(ss, base_times)] if base_times else None
         out[name] = {
             "step_time_s": t,
             "step_times_s": [s.seconds for s in ss],
+            # Note [timing on a noisy machine]: the median of the per-round ratios.
+            "step_time_ratio": statistics.median(ratios) if ratios else None,
+            "step_time_ratios": ratios,
+            "step_time_ratio_of_medians": t / statistics.median(base_times) if base_times else None,
             "peak_saved_bytes": peak_saved,
-            "peak_rss_bytes": max(rss) if rss else None,
-            "peak_rss_bytes_per_step": rss,
+            "peak_rss_bytes": rss,
             "peak_saved_bytes_per_step": [s.peak_saved for s in ss] if name == "offload" else None,
             "written_bytes": written,
             "read_bytes": read,
@@ -356,8 +376,7 @@ def _summarize(steps: dict[str, list[_Step]], measured: dict, drive: dict) -> di
         }
     base = out.get("baseline")
     for row in out.values():
-        for key, ref_key in (("step_time_ratio", "step_time_s"), ("peak_saved_ratio", "peak_saved_bytes"),
-                             ("peak_rss_ratio", "peak_rss_bytes")):
+        for key, ref_key in (("peak_saved_ratio", "peak_saved_bytes"), ("peak_rss_ratio", "peak_rss_bytes")):
             ref = base[ref_key] if base else None
             row[key] = row[ref_key] / ref if ref and row[ref_key] is not None else None
         for kind in ("write", "read"):
@@ -428,8 +447,9 @@ def format_table(result: dict) -> str:
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
     lines.append("")
-    lines.append("step: median; peak saved: saved-activation bytes in memory; peak RSS+: resident set "
-                 "growth within a step; written/read: per step; GB/s: per step time (share of raw)")
+    lines.append("step: median; vs base (step): median over rounds of the ratio to baseline's step in the same "
+                 "round; peak saved: saved-activation bytes in memory; peak RSS+: resident set growth within a "
+                 "step; written/read: per step; GB/s: per step time (share of raw)")
     return "\n".join(lines)
 
 

@@ -15,6 +15,7 @@ from ssdtrain.models import GPT, GPTConfig
 def _keep_malloc_settings(monkeypatch):
     """The bench fixes glibc's mmap threshold process-wide; keep the test process as it was."""
     monkeypatch.setattr(bench, "mmap_large_allocations", lambda *a, **k: False)
+    monkeypatch.setattr(bench, "usual_allocations", lambda *a, **k: False)
 
 
 KEYS = ("step_time_s", "peak_saved_bytes", "peak_rss_bytes", "written_bytes", "read_bytes", "stall_s")
