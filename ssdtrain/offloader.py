@@ -195,6 +195,8 @@ class Offloader:
         is released; backward then reads back what it needs, ahead of need. Space of entries
         that died while a read into them was in flight is returned too."""
         self._drain()  # references already dropped free their extents (or schedule it) first
+        with self._lock:
+            self._release_held([s for s in self._scopes.values() if not s.backward_started])
         self._pump()
         with self._lock:
             while self._write_queue or self._writing or self._late_frees:
@@ -249,6 +251,7 @@ class Offloader:
             return
         self._closed = True
         with self._lock:
+            self._release_held(self._scopes.values())
             for e in list(self._write_queue):
                 if e.state is State.QUEUED:
                     self._cancel_write(e)
@@ -272,6 +275,9 @@ class Offloader:
                                      for t in itertools.chain(m.parameters(), m.buffers()))
         self._layer_stack.clear()
         with self._lock:
+            # Another forward comes before their backward: the waiting last saves of the scopes
+            # still in forward are written after all (Note [the last save waits]).
+            self._release_held([s for s in self._scopes.values() if not s.backward_started])
             self._scopes[scope.id] = scope
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()
@@ -371,13 +377,29 @@ class Offloader:
         e.state = State.QUEUED
         e.offloaded = True
         scope.add(e)
-        self._write_queue.append(e)
+        # Note [the last save waits]: a write starts only once the next save came. The last
+        # save of a forward is what backward needs first; had its write already started, the
+        # bytes would go to the drive only to be handed back from memory. When backward begins
+        # the waiting write is cancelled like any other queued one (adaptive keep). It is
+        # queued after all when another forward starts first (pipelines), on wait(), and when
+        # pack waits for room.
+        if scope.held is not None:
+            self._write_queue.append(scope.held)
+        scope.held = e
         self._inflight_bytes += n
         return e
+
+    def _release_held(self, scopes) -> None:
+        """Under the lock: the waiting last saves of ``scopes`` join the write queue."""
+        for scope in scopes:
+            if scope.held is not None:
+                self._write_queue.append(scope.held)
+                scope.held = None
 
     def _wait_for_room(self, scope: Scope, n: int) -> None:
         """Note [bounded memory in flight]: pack waits (lock released) until writes drain."""
         self._counters.add(scope.stats_id, "backpressure_waits", 1)
+        self._release_held(self._scopes.values())  # they count as in flight: let them go
         start = time.perf_counter()
         with profiled("ssdtrain.stall.backpressure"):
             while self._inflight_bytes and self._inflight_bytes + n > self.config.max_inflight_bytes:
@@ -526,6 +548,8 @@ class Offloader:
         scope = e.scope
         scope.used(e)
         scope.live_entries -= 1
+        if scope.held is e:
+            scope.held = None
         if scope.live_entries == 0 and self._scopes.get(scope.id) is scope and scope not in self._scope_stack:
             del self._scopes[scope.id]
         state, e.state = e.state, State.FREED
@@ -625,6 +649,7 @@ class Offloader:
         """Under the lock. Adaptive keep: writes still queued are exactly what backward needs
         first, so cancel them and keep those tensors; then start reading the tail."""
         scope.backward_started = True
+        scope.held = None  # cancelled below with the rest of the queue
         self._resize_window()
         scope.restart()
         for e in scope.queued():

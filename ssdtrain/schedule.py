@@ -32,6 +32,7 @@ class Scope:
         self.ahead = 0
         self.top_layer: int | None = None
         self.armed = False       # backward announced, nothing unpacked yet
+        self.held: Entry | None = None  # the last save, its write not queued yet (engine's Note)
 
     def add(self, entry: Entry) -> None:
         self.order.append(entry)

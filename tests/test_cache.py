@@ -32,9 +32,11 @@ class SaveMany(torch.autograd.Function):
 def test_saved_k_times_written_once_read_once(off_dir):
     off = ssdtrain.Offloader(path=str(off_dir), min_bytes=0)
     x0 = torch.randn(256, 256, requires_grad=True)
-    for _ in range(2):
+    for i in range(2):
         before = off.stats()
-        with off:
+        # A micro-batch scope: its last save is written too (``with off:`` would keep it in
+        # memory for backward, Note [the last save waits]), so the write path is exercised.
+        with off.microbatch(i):
             y = x0 * 2  # non-leaf: offloadable
             out = SaveMany.apply(y, 5)
         off.wait()

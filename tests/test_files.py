@@ -33,7 +33,7 @@ def _arena_fds(directory):
 def test_arena_is_private_and_unlinked(off_dir):
     off = ssdtrain.Offloader(path=str(off_dir), min_bytes=0)
     x = torch.randn(256, 256, requires_grad=True)
-    with off:
+    with off.microbatch(0):  # writes its last save too (Note [the last save waits])
         loss = (x * 2).sigmoid().sum()
     off.wait()
     assert off.stats().written_bytes > 0

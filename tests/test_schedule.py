@@ -266,3 +266,51 @@ def test_window_grows_with_waiting_and_shrinks_without(monkeypatch):
         off._note_read_stall(0.15)                    # 12.5%: now
         assert off._window == 2 * w0
     off.close()
+
+
+def test_the_last_save_is_kept_for_backward(off_dir):
+    """Note [the last save waits]: the last save's write never starts when backward comes next
+    (it needs that tensor first); it does when another forward runs before that backward."""
+    x = torch.randn(256, 256, requires_grad=True)
+    nbytes = x.numel() * x.element_size()
+
+    def forward():
+        a = (x * 2).sigmoid()   # saves its output
+        return (a * 3).exp()    # saves its output: the last save
+
+    def run(schedule):
+        off = ssdtrain.Offloader(path=str(off_dir), min_bytes=0)
+        outs = schedule(off)  # no wait(): it would write the waiting last saves too
+        grads = []
+        for out in outs:
+            out.sum().backward()
+            grads.append(x.grad)
+            x.grad = None
+        off.wait()  # writes still in flight (backward took those tensors from memory) count
+        s = off.stats()
+        off.close()
+        return s, grads
+
+    def plain(off):
+        with off:
+            return [forward()]
+
+    def one_microbatch(off):
+        with off.microbatch(0):
+            return [forward()]
+
+    def two_forwards(off):  # F0 F1 B0 B1
+        with off.microbatch(0):
+            y0 = forward()
+        with off.microbatch(1):
+            y1 = forward()
+        return [y0, y1]
+
+    reference = forward()
+    reference.sum().backward()
+    expected, x.grad = x.grad, None
+    for schedule, written, kept in ((plain, 1, 1), (one_microbatch, 1, 1), (two_forwards, 3, 1)):
+        s, grads = run(schedule)
+        assert s.unique_bytes == 2 * nbytes * len(grads)
+        assert (s.written_bytes, s.adaptive_keep_bytes) == (written * nbytes, kept * nbytes), schedule.__name__
+        assert all(torch.equal(g, expected) for g in grads)

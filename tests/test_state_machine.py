@@ -159,6 +159,7 @@ def test_write_completing_after_an_unseen_modification():
     expected = t.clone()
     with off.microbatch(0):
         ref = off._pack(t)
+        last = off._pack(torch.zeros(1024))  # the last save waits (engine's Note); t's write goes out
     t.add_(1)
     del t
     store.complete_write(0)
@@ -169,7 +170,7 @@ def test_write_completing_after_an_unseen_modification():
         assert INPLACE in str(e)
     else:
         assert torch.equal(got, expected), "backward saw the modified bytes"
-    del ref
+    del ref, last
     off.close()
 
 
