@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", type=int)
     ap.add_argument("--seq", type=int)
     ap.add_argument("--batch", type=int)
-    ap.add_argument("--steps", type=int, help="timed steps per mode (default 5; --tiny 1)")
+    ap.add_argument("--steps", type=int, help="timed steps per mode (default 12; --tiny 1)")
     ap.add_argument("--path", help="offload directory (default: $SSDTRAIN_PATH, else the temp dir)")
     ap.add_argument("--work-dir", help="token corpus cache")
     ap.add_argument("--data", choices=("auto", "dali", "torch"), default="auto")
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     args = BenchArgs(
         model=model,
         batch=ns.batch or (4 if not ns.tiny else 2),
-        steps=ns.steps or (1 if ns.tiny else 5),
+        steps=ns.steps or (1 if ns.tiny else 12),
         modes=("baseline", "offload"),
         path=ns.path,
         work_dir=ns.work_dir,
