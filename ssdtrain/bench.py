@@ -333,7 +333,7 @@ def run(args: BenchArgs) -> dict:
 
     result["modes"] = _summarize(steps, measured, drive)
     if args.keep_timeline:
-        result["timeline"] = {name: asdict(t) for name, (_, t) in measured.items()}
+        result["timeline"] = {name: asdict(t) for name, (_, t, _) in measured.items()}
     return result
 
 
