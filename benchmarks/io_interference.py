@@ -29,10 +29,10 @@ from ssdtrain.models import GPT, preset
 
 # The traffic: half writes, half reads, in 8 MiB requests over a 512 MiB region, paced.
 _TRAFFIC = r"""
-import mmap, os, sys, time
+import mmap, os, sys, tempfile, time
 gbps, path = float(sys.argv[1]), sys.argv[2]
 chunk, size = 8 << 20, 512 << 20
-fd, name = __import__("tempfile").mkstemp(dir=path)
+fd, name = tempfile.mkstemp(dir=path)
 os.close(fd)
 fd = os.open(name, os.O_RDWR | getattr(os, "O_DIRECT", 0))
 os.unlink(name)

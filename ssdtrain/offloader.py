@@ -192,8 +192,10 @@ class Offloader:
 
     def wait(self) -> None:
         """Blocks until every write issued so far is on storage (or has failed), and its memory
-        is released; backward then reads back what it needs, ahead of need. Space of entries
-        that died while a read into them was in flight is returned too."""
+        is released; backward then reads back what it needs, ahead of need. That includes the
+        last save of a forward whose backward has not begun (Note [the last save waits]); once
+        backward has begun, that save stays in memory. Space of entries that died while a read
+        into them was in flight is returned too."""
         self._drain()  # references already dropped free their extents (or schedule it) first
         with self._lock:
             self._release_held([s for s in self._scopes.values() if not s.backward_started])
