@@ -31,10 +31,11 @@ def capacity(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()
 
 
-def gather(futures: list[Future]) -> Future:
-    """A future that completes when every one of ``futures`` has: with their results, or with
-    the first exception. It never completes while a chunk is still in flight, so an extent is
-    not freed (and reused) under a late write."""
+def gather(futures: list[Future], *, flatten: bool = False) -> Future:
+    """A future that completes when every one of ``futures`` has: with their results (joined
+    into one list with ``flatten``, for futures whose results are lists), or with the first
+    exception. It never completes while a chunk is still in flight, so an extent is not freed
+    (and reused) under a late write."""
     out: Future = Future()
     out.set_running_or_notify_cancel()
     if not futures:
@@ -58,7 +59,7 @@ def gather(futures: list[Future]) -> Future:
             if errors:
                 out.set_exception(errors[0])
             else:
-                out.set_result(results)
+                out.set_result([x for r in results for x in r] if flatten else results)
 
     for i, f in enumerate(futures):
         f.add_done_callback(lambda f, i=i: done(i, f))

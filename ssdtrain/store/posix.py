@@ -28,7 +28,7 @@ from ssdtrain import device
 from ssdtrain.config import OffloadConfig
 from ssdtrain.store import _fs
 from ssdtrain.store._arena import Arena, ArenaBackend, private_name
-from ssdtrain.store._hostbuf import lead_of, raw_view, windows
+from ssdtrain.store._hostbuf import HostMapping, lead_of, raw_view, windows
 from ssdtrain.store._mem import capacity, gather, profiled
 from ssdtrain.store.base import ALIGN, ChecksumError, Extent, StorageError, align_up
 
@@ -119,12 +119,15 @@ class _Arena(Arena):
 _local = threading.local()
 
 
-def _staging(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
-    """This thread's page-aligned staging buffer, at least ``nbytes`` long."""
+def _staging(nbytes: int) -> tuple[memoryview, torch.Tensor]:
+    """This thread's page-aligned staging buffer, at least ``nbytes`` long, on huge pages when
+    it is large enough (Note [huge pages make large requests] in ``_hostbuf.py``)."""
     buf = getattr(_local, "buf", None)
     if buf is None or len(buf[0]) < nbytes:
-        mm = mmap.mmap(-1, align_up(nbytes))
-        buf = _local.buf = (mm, torch.frombuffer(mm, dtype=torch.uint8))
+        size = align_up(nbytes)
+        m = HostMapping(size)
+        mv = memoryview(m.mm)[m.start:m.start + size]
+        buf = _local.buf = (mv, torch.frombuffer(mv, dtype=torch.uint8))
     return buf
 
 
@@ -161,6 +164,22 @@ class PosixBackend(ArenaBackend):
     def _windows(self, arena: _Arena, extent: Extent, lead: int):
         return windows(extent.nbytes, lead, self.chunk, direct=arena.direct)
 
+    def _groups(self, arena: _Arena, extent: Extent, lead: int, on_gpu: bool) -> list[list[tuple[int, int, int, int]]]:
+        """The request's windows, grouped into thread-pool tasks.
+
+        Note [one task per direct request]: with O_DIRECT each window's syscall already reaches
+        the drive as all of its device requests at once (the kernel submits them together and
+        waits for the lot), so splitting a host tensor's request across threads buys no
+        parallelism the drive can use; it costs a task, a future and a wake-up per window, on
+        the thread that computes too. A direct request on host memory is therefore one task
+        that moves its windows in order; buffered I/O (copies through the page cache) and GPU
+        tensors (a staging copy per window) keep a task per window, which does overlap.
+        """
+        wins = list(self._windows(arena, extent, lead))
+        if arena.direct and not on_gpu:
+            return [wins]
+        return [[w] for w in wins]
+
     def submit_write(self, extent: Extent, src: torch.Tensor, *, checksum: bool = False,
                      ready: Callable[[], None] | None = None) -> Future:
         arena = self._arenas[extent.path_index]
@@ -169,16 +188,16 @@ class PosixBackend(ArenaBackend):
             arena.queued += extent.nbytes
             arena.leads[extent.offset] = lead
         ready_once = _Once(ready) if ready is not None else None
-        futures = [arena.pool.submit(self._write_chunk, arena, src, extent.offset, lead, w, checksum, ready_once)
-                   for w in self._windows(arena, extent, lead)]
-        out = gather(futures)
+        futures = [arena.pool.submit(self._write_chunks, arena, src, extent.offset, lead, g, checksum, ready_once)
+                   for g in self._groups(arena, extent, lead, device.is_cuda(src))]
+        out = gather(futures, flatten=True)
         out.add_done_callback(lambda f: self._settle(arena, extent.nbytes, written=f.exception() is None))
         return out
 
-    def _write_chunk(self, arena: _Arena, src: torch.Tensor, base: int, lead: int, window, checksum: bool,
-                     ready) -> int | None:
+    def _write_chunks(self, arena: _Arena, src: torch.Tensor, base: int, lead: int, group, checksum: bool,
+                      ready) -> list[int | None]:
         with profiled("ssdtrain.write"):
-            return self._write_chunk_now(arena, src, base, lead, window, checksum, ready)
+            return [self._write_chunk_now(arena, src, base, lead, w, checksum, ready) for w in group]
 
     def _write_chunk_now(self, arena: _Arena, src: torch.Tensor, base: int, lead: int, window, checksum: bool,
                          ready) -> int | None:
@@ -212,17 +231,22 @@ class PosixBackend(ArenaBackend):
             and capacity(dst) >= align_up(lead + extent.nbytes) - lead))
         ready_once = _Once(ready) if ready is not None else None
         crcs = checksum if checksum is not None else None
-        futures = [arena.read_pool.submit(self._read_chunk, arena, dst, extent.offset, lead, w, in_place,
-                                          None if crcs is None else crcs[i], ready_once)
-                   for i, w in enumerate(self._windows(arena, extent, lead))]
+        groups = self._groups(arena, extent, lead, device.is_cuda(dst))
+        futures, first = [], 0
+        for g in groups:
+            crc = None if crcs is None else crcs[first:first + len(g)]
+            futures.append(arena.read_pool.submit(self._read_chunks, arena, dst, extent.offset, lead, g, in_place,
+                                                  crc, ready_once))
+            first += len(g)
         out = gather(futures)
         self._count_read(arena, out, extent.nbytes)
         return out
 
-    def _read_chunk(self, arena: _Arena, dst: torch.Tensor, base: int, lead: int, window, in_place: bool,
-                    crc: int | None, ready) -> None:
+    def _read_chunks(self, arena: _Arena, dst: torch.Tensor, base: int, lead: int, group, in_place: bool,
+                     crcs: list | None, ready) -> None:
         with profiled("ssdtrain.read"):
-            self._read_chunk_now(arena, dst, base, lead, window, in_place, crc, ready)
+            for i, w in enumerate(group):
+                self._read_chunk_now(arena, dst, base, lead, w, in_place, None if crcs is None else crcs[i], ready)
 
     def _read_chunk_now(self, arena: _Arena, dst: torch.Tensor, base: int, lead: int, window, in_place: bool,
                         crc: int | None, ready) -> None:
