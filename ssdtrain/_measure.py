@@ -8,6 +8,8 @@
   live memory: large tensors are returned to the system when freed, and a step's growth is not
   hidden by memory an earlier step freed but the allocator kept; :func:`usual_allocations` puts
   glibc back to what it does unattended, for timing.
+* :func:`stolen_seconds` - CPU time the hypervisor gave to other guests (``steal``), to tell a
+  slow step from a busy host.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 import torch
 
 __all__ = ["RssSampler", "SavedMeter", "block_saved_bytes", "malloc_trimmer", "mmap_large_allocations",
-           "usual_allocations"]
+           "stolen_seconds", "usual_allocations"]
 
 
 class _Held:
@@ -244,3 +246,14 @@ def usual_allocations() -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     return bool(mallopt(-3, 32 << 20)) and bool(mallopt(-1, 64 << 20))  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+
+
+def stolen_seconds() -> float | None:
+    """CPU time, summed over this machine's CPUs, that the hypervisor ran something else while a
+    CPU of ours had work (the ``steal`` column of ``/proc/stat``); None where it is not known."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None

@@ -171,3 +171,32 @@ def test_step_time_benchmark_smoke(tmp_path, capsys):
     fig = json.loads(out.read_text())["figures"]
     assert fig["step_time_ratio"] > 0 and fig["stall_share"] >= 0 and 0 < fig["resident_share"] <= 1.0
     assert json.loads(out.read_text())["bench"]["model"]["layers"] >= 8
+
+
+def test_steal_is_reported_and_taken_out_per_step(monkeypatch):
+    # Two CPUs; in round 2 the host took 0.8 s of CPU time during baseline's step (0.4 s per CPU).
+    monkeypatch.setattr(bench.os, "cpu_count", lambda: 2)
+    S = bench._Step
+    steps = {"baseline": [S(2.0, 1.0, stolen=0.0), S(2.4, 1.0, stolen=0.8), S(2.0, 1.0, stolen=0.0)],
+             "offload": [S(2.1, 1.0, peak_saved=1, stolen=0.0), S(2.1, 1.0, peak_saved=1, stolen=0.0),
+                         S(2.2, 1.0, peak_saved=1, stolen=0.0)]}
+    out = bench._summarize(steps, {"baseline": (10, None, None), "offload": (1, None, None)}, {})
+    off, base = out["offload"], out["baseline"]
+    assert off["step_time_ratios"] == pytest.approx([1.05, 0.875, 1.1])
+    assert off["step_time_ratio"] == pytest.approx(1.05)
+    # Less steal: 2.0 / 2.0, 2.1 / (2.4 - 0.4), 2.2 / 2.0.
+    assert off["step_time_ratio_unstolen"] == pytest.approx(1.05)
+    assert base["stolen_shares"] == pytest.approx([0.0, 0.8 / 4.8, 0.0])
+    assert base["stolen_share"] == 0.0 and off["stolen_share"] == 0.0
+    # Unknown steal (no /proc/stat): no estimate rather than a wrong one.
+    steps["offload"][0].stolen = None
+    out = bench._summarize(steps, {"baseline": (10, None, None), "offload": (1, None, None)}, {})
+    assert out["offload"]["step_time_ratio_unstolen"] is None and out["offload"]["stolen_share"] is None
+
+
+def test_stolen_seconds_reads_the_steal_column(monkeypatch, tmp_path):
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 50 1000 3 0 2 250 0 0\ncpu0 50 0 25 500 1 0 1 125 0 0\n")
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda p, *a, **k: real_open(stat if p == "/proc/stat" else p, *a, **k))
+    assert _measure.stolen_seconds() == pytest.approx(250 / _measure.os.sysconf("SC_CLK_TCK"))
