@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from ssdtrain._measure import usual_allocations
+from ssdtrain._measure import stolen_seconds, usual_allocations
 from ssdtrain.models import GPT, preset
 
 # The traffic: half writes, half reads, in 8 MiB requests over a 512 MiB region, paced.
@@ -73,15 +73,20 @@ def main(argv: list[str] | None = None) -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     usual_allocations()
 
-    def step() -> float:
+    cpus = os.cpu_count() or 1
+
+    def step() -> tuple[float, float | None]:
         tokens = torch.randint(0, cfg.vocab, (ns.batch, cfg.seq))
+        s0 = stolen_seconds()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         model(tokens, tokens).backward()
         opt.step()
-        return time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        s1 = stolen_seconds()
+        return seconds, (None if s0 is None or s1 is None else (s1 - s0) / (seconds * cpus))
 
-    quiet, busy = [], []
+    quiet, busy, quiet_steal, busy_steal = [], [], [], []
     for r in range(1 + ns.steps):
         for mode in ("quiet", "busy") if r % 2 == 0 else ("busy", "quiet"):
             traffic = None
@@ -92,13 +97,14 @@ def main(argv: list[str] | None = None) -> int:
                     traffic.wait()
                     print(f"io_interference: the traffic process failed on {ns.path}", file=sys.stderr)
                     return 2
-            seconds = step()
+            seconds, steal = step()
             if traffic is not None:
                 traffic.kill()
                 traffic.wait()
             time.sleep(0.5)  # the killed process's memory goes back before the next step
             if r > 0:
                 (busy if mode == "busy" else quiet).append(seconds)
+                (busy_steal if mode == "busy" else quiet_steal).append(steal)
     ratios = [b / q for b, q in zip(busy, quiet)]
     print(f"baseline steps with {ns.gbps:.2f} GB/s of O_DIRECT traffic on {ns.path} in another process, "
           f"vs without ({ns.steps} rounds, alternating order)")
@@ -106,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"median of per-round ratios: {statistics.median(ratios):.3f}   "
           f"ratio of medians: {statistics.median(busy) / statistics.median(quiet):.3f}")
     print("per round: " + " ".join(f"{x:.3f}" for x in ratios))
+    if None not in quiet_steal + busy_steal:  # Note [timing on a noisy machine] in ssdtrain/bench.py
+        print(f"host steal (share of CPU time taken by the hypervisor), median per step: "
+              f"{statistics.median(quiet_steal):.3f} quiet, {statistics.median(busy_steal):.3f} with traffic")
     return 0
 
 
