@@ -4,17 +4,21 @@ Trains the step-time benchmark's decoder with no offloading at all, alternating 
 separate process reads and writes a file with O_DIRECT at a fixed rate (by default what the
 offloader moves in that benchmark: about 1.04 GB per ~2.4 s step). The ratio of the two step
 times is the price the machine charges for that traffic alone (interrupts, the hypervisor's
-block path, threads waking up on busy cores), the floor under ``step_time.py``'s ratio.
+block path, threads waking up on busy cores), the floor under ``step_time.py``'s ratio. With
+``--offload``, offloaded steps (the default config) join the same rounds; their ratio to the
+steps with traffic is what the offloader costs beyond moving its bytes.
 
 Usage::
 
     python benchmarks/io_interference.py                      # 0.43 GB/s to $SSDTRAIN_PATH or /tmp
     python benchmarks/io_interference.py --gbps 0.2 --steps 16 --path /nvme
+    python benchmarks/io_interference.py --offload            # offloaded steps in the same rounds
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
 import subprocess
@@ -24,8 +28,9 @@ import time
 
 import torch
 
+import ssdtrain
 from ssdtrain._measure import stolen_seconds, usual_allocations
-from ssdtrain.models import GPT, preset
+from ssdtrain.models import GPT, GPTConfig, preset
 
 # The traffic: half writes, half reads, in 8 MiB requests over a 512 MiB region, paced.
 _TRAFFIC = r"""
@@ -63,59 +68,92 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=12, help="timed rounds (default 12)")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--path", default=os.environ.get("SSDTRAIN_PATH") or tempfile.gettempdir())
+    ap.add_argument("--tiny", action="store_true", help="8 tiny layers: a smoke run (what the tests run)")
+    ap.add_argument("--offload", action="store_true",
+                    help="also run offloaded steps (default config, to --path) in the same rounds: "
+                         "their cost beside the traffic's")
     ns = ap.parse_args(argv)
     if ns.gbps <= 0 or ns.steps < 1:
         ap.error("--gbps must be > 0 and --steps >= 1")
 
-    cfg = preset("default")
+    cfg = GPTConfig(vocab=256, seq=64, layers=8, hidden=64, heads=4) if ns.tiny else preset("default")
     torch.manual_seed(0)
     model = GPT(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # Each mode trains its own copy: the same compute, and no offloader hooks on the baseline.
+    copies = {"quiet": model, "busy": copy.deepcopy(model)}
+    if ns.offload:
+        copies["offload"] = copy.deepcopy(model)
+    opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-3) for name, m in copies.items()}
+    off = ssdtrain.Offloader(copies["offload"], path=ns.path) if ns.offload else None
     usual_allocations()
-
     cpus = os.cpu_count() or 1
 
-    def step() -> tuple[float, float | None]:
-        tokens = torch.randint(0, cfg.vocab, (ns.batch, cfg.seq))
+    def step(name: str, tokens: torch.Tensor) -> tuple[float, float | None]:
+        m, opt = copies[name], opts[name]
         s0 = stolen_seconds()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        model(tokens, tokens).backward()
+        if name == "offload":
+            with off:
+                loss = m(tokens, tokens)
+            loss.backward()
+            off.wait()
+        else:
+            m(tokens, tokens).backward()
         opt.step()
         seconds = time.perf_counter() - t0
         s1 = stolen_seconds()
         return seconds, (None if s0 is None or s1 is None else (s1 - s0) / (seconds * cpus))
 
-    quiet, busy, quiet_steal, busy_steal = [], [], [], []
-    for r in range(1 + ns.steps):
-        for mode in ("quiet", "busy") if r % 2 == 0 else ("busy", "quiet"):
-            traffic = None
-            if mode == "busy":
-                traffic = subprocess.Popen([sys.executable, "-c", _TRAFFIC, str(ns.gbps), ns.path],
-                                           stdout=subprocess.PIPE, text=True)
-                if traffic.stdout.readline().strip() != "ready":
+    names = list(copies)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    steals: dict[str, list[float | None]] = {n: [] for n in names}
+    try:
+        for r in range(1 + ns.steps):
+            tokens = torch.randint(0, cfg.vocab, (ns.batch, cfg.seq))
+            for name in names if r % 2 == 0 else reversed(names):
+                traffic = None
+                if name == "busy":
+                    traffic = subprocess.Popen([sys.executable, "-c", _TRAFFIC, str(ns.gbps), ns.path],
+                                               stdout=subprocess.PIPE, text=True)
+                    if traffic.stdout.readline().strip() != "ready":
+                        traffic.wait()
+                        traffic.stdout.close()
+                        print(f"io_interference: the traffic process failed on {ns.path}", file=sys.stderr)
+                        return 2
+                seconds, steal = step(name, tokens)
+                if traffic is not None:
+                    traffic.kill()
                     traffic.wait()
-                    print(f"io_interference: the traffic process failed on {ns.path}", file=sys.stderr)
-                    return 2
-            seconds, steal = step()
-            if traffic is not None:
-                traffic.kill()
-                traffic.wait()
-            time.sleep(0.5)  # the killed process's memory goes back before the next step
-            if r > 0:
-                (busy if mode == "busy" else quiet).append(seconds)
-                (busy_steal if mode == "busy" else quiet_steal).append(steal)
-    ratios = [b / q for b, q in zip(busy, quiet)]
+                    traffic.stdout.close()
+                time.sleep(0.5)  # the killed process's memory goes back before the next step
+                if r > 0:
+                    times[name].append(seconds)
+                    steals[name].append(steal)
+    finally:
+        if off is not None:
+            off.close()
+
+    quiet = times["quiet"]
     print(f"baseline steps with {ns.gbps:.2f} GB/s of O_DIRECT traffic on {ns.path} in another process, "
           f"vs without ({ns.steps} rounds, alternating order)")
-    print(f"median step: {statistics.median(quiet):.3f}s quiet, {statistics.median(busy):.3f}s with traffic")
-    print(f"median of per-round ratios: {statistics.median(ratios):.3f}   "
-          f"ratio of medians: {statistics.median(busy) / statistics.median(quiet):.3f}")
-    print("per round: " + " ".join(f"{x:.3f}" for x in ratios))
-    if None not in quiet_steal + busy_steal:  # Note [timing on a noisy machine] in ssdtrain/bench.py
-        print(f"host steal (share of CPU time taken by the hypervisor), median per step: "
-              f"{statistics.median(quiet_steal):.3f} quiet, {statistics.median(busy_steal):.3f} with traffic")
+    print("median step: " + ", ".join(f"{statistics.median(times[n]):.3f}s {_LABEL[n]}" for n in names))
+    for n in names[1:]:
+        ratios = [x / q for x, q in zip(times[n], quiet)]
+        print(f"{_LABEL[n]} / quiet: median of per-round ratios {statistics.median(ratios):.3f}   "
+              f"ratio of medians {statistics.median(times[n]) / statistics.median(quiet):.3f}")
+        print("  per round: " + " ".join(f"{x:.3f}" for x in ratios))
+    if ns.offload:
+        ratios = [o / b for o, b in zip(times["offload"], times["busy"])]
+        print(f"offloaded / with traffic (the offloader's own share): median of per-round ratios "
+              f"{statistics.median(ratios):.3f}")
+    if all(None not in v for v in steals.values()):  # Note [timing on a noisy machine] in ssdtrain/bench.py
+        print("host steal (share of CPU time taken by the hypervisor), median per step: "
+              + ", ".join(f"{statistics.median(steals[n]):.3f} {_LABEL[n]}" for n in names))
     return 0
+
+
+_LABEL = {"quiet": "quiet", "busy": "with traffic", "offload": "offloaded"}
 
 
 if __name__ == "__main__":

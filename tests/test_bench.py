@@ -200,3 +200,21 @@ def test_stolen_seconds_reads_the_steal_column(monkeypatch, tmp_path):
     real_open = open
     monkeypatch.setattr("builtins.open", lambda p, *a, **k: real_open(stat if p == "/proc/stat" else p, *a, **k))
     assert _measure.stolen_seconds() == pytest.approx(250 / _measure.os.sysconf("SC_CLK_TCK"))
+
+
+def test_io_interference_benchmark_smoke(tmp_path, capsys):
+    """benchmarks/io_interference.py at tiny size, with the offloaded mode, so it cannot rot."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "io_interference.py"
+    spec = importlib.util.spec_from_file_location("io_interference_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    (tmp_path / "nvme").mkdir()
+    rc = module.main(["--tiny", "--offload", "--steps", "1", "--gbps", "0.05", "--batch", "2",
+                      "--path", str(tmp_path / "nvme")])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "with traffic / quiet" in text and "offloaded / with traffic" in text
+    assert list((tmp_path / "nvme").iterdir()) == []  # the traffic file and the arena are gone
