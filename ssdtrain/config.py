@@ -119,7 +119,8 @@ class OffloadConfig:
     """O_DIRECT for the posix backend: ``True`` (required), ``False``, or ``None`` (when the
     filesystem supports it)."""
     chunk_bytes: int = field(default_factory=lambda: parse_bytes(_env("SSDTRAIN_CHUNK_BYTES", 8 << 20)))
-    """Size of one I/O request; larger tensors are split into requests of this size."""
+    """Size of one I/O request (syscall); larger tensors are split into requests of this size (one
+    thread moves them in order on O_DIRECT host memory, several threads when they copy)."""
     rated_tbw: float | None = None
     """The drive's rated endurance in terabytes written; enables the wear-out warning."""
     endurance_horizon_days: float = 365.0

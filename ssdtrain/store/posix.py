@@ -2,8 +2,9 @@
 
 One arena file per path. It is created ``O_EXCL`` with mode 0600 inside a fresh private
 directory (0700), and both are unlinked right after opening (Note [nothing left on disk]).
-Extents are 4 KiB aligned; tensors larger than ``chunk_bytes`` are split into requests that
-run in parallel. With O_DIRECT, host tensors go straight between their own memory pages and the
+Extents are 4 KiB aligned; tensors larger than ``chunk_bytes`` are split into requests, moved in
+order by one I/O thread when they go direct from host memory and in parallel when they copy
+(Note [one task per direct request]). With O_DIRECT, host tensors go straight between their own memory pages and the
 drive (Note [zero-copy direct I/O] in ``_hostbuf.py``), reads land in reusable buffers (Note
 [reuse reload memory]), and CUDA tensors pass through a page-aligned staging buffer of the I/O
 thread. Freed space is punched only once it has stayed free for a while (Note [trim what stays
