@@ -95,3 +95,21 @@ def test_a_direct_request_is_one_task_and_buffered_ones_a_task_per_chunk(off_dir
     assert torch.equal(dst, raw)
     backend.free(extent)
     backend.close()
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_read_into_foreign_memory_goes_through_staging(off_dir, verify):
+    # A destination that is not a reload buffer of this extent (another offset within its page,
+    # no room for whole pages) cannot take a direct read in place: the I/O thread reads into its
+    # own page-aligned staging buffer, on huge pages once it is large, and copies the payload.
+    backend = PosixBackend(OffloadConfig(path=str(off_dir), chunk_bytes="1MiB", io_threads=2))
+    src = torch.randint(0, 256, (3 * MiB + 1234,), dtype=torch.uint8)
+    extent = backend.allocate(src.numel())
+    crcs = backend.submit_write(extent, src, checksum=verify).result()
+    room = torch.zeros(src.numel() + 64, dtype=torch.uint8)
+    dst = room[7:7 + src.numel()]
+    backend.submit_read(extent, dst, checksum=crcs if verify else None).result()
+    assert torch.equal(dst, src)
+    assert int(room[:7].sum()) == 0 and int(room[7 + src.numel():].sum()) == 0  # nothing around it touched
+    backend.free(extent)
+    backend.close()
