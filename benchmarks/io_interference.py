@@ -62,6 +62,9 @@ while True:
 """
 
 
+_LABEL = {"quiet": "quiet", "busy": "with traffic", "offload": "offloaded"}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gbps", type=float, default=0.43, help="background traffic, GB/s (default 0.43)")
@@ -151,9 +154,6 @@ def main(argv: list[str] | None = None) -> int:
         print("host steal (share of CPU time taken by the hypervisor), median per step: "
               + ", ".join(f"{statistics.median(steals[n]):.3f} {_LABEL[n]}" for n in names))
     return 0
-
-
-_LABEL = {"quiet": "quiet", "busy": "with traffic", "offload": "offloaded"}
 
 
 if __name__ == "__main__":

@@ -380,6 +380,7 @@ def _summarize(steps: dict[str, list[_Step]], measured: dict, drive: dict) -> di
         unstolen = [_unstolen(s, cpus) for s in ss]
         adjusted = ([u / b for u, b in zip(unstolen, base_unstolen)]
                     if base_unstolen and None not in unstolen and None not in base_unstolen else None)
+        shares = [None if s.stolen is None else s.stolen / (s.seconds * cpus) for s in ss]
         out[name] = {
             "step_time_s": t,
             "step_times_s": [s.seconds for s in ss],
@@ -396,9 +397,8 @@ def _summarize(steps: dict[str, list[_Step]], measured: dict, drive: dict) -> di
             "read_gbps": read / t / GB,
             "stall_s": statistics.median(s.stall for s in ss),
             # Note [timing on a noisy machine]: what the host took, and the ratio without it.
-            "stolen_share": (statistics.median(s.stolen / (s.seconds * cpus) for s in ss)
-                             if None not in unstolen else None),
-            "stolen_shares": [None if s.stolen is None else s.stolen / (s.seconds * cpus) for s in ss],
+            "stolen_share": statistics.median(shares) if None not in shares else None,
+            "stolen_shares": shares,
             "step_time_ratio_unstolen": statistics.median(adjusted) if adjusted else None,
             "losses": [s.loss for s in ss],
         }

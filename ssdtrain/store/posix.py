@@ -4,11 +4,11 @@ One arena file per path. It is created ``O_EXCL`` with mode 0600 inside a fresh 
 directory (0700), and both are unlinked right after opening (Note [nothing left on disk]).
 Extents are 4 KiB aligned; tensors larger than ``chunk_bytes`` are split into requests, moved in
 order by one I/O thread when they go direct from host memory and in parallel when they copy
-(Note [one task per direct request]). With O_DIRECT, host tensors go straight between their own memory pages and the
-drive (Note [zero-copy direct I/O] in ``_hostbuf.py``), reads land in reusable buffers (Note
-[reuse reload memory]), and CUDA tensors pass through a page-aligned staging buffer of the I/O
-thread. Freed space is punched only once it has stayed free for a while (Note [trim what stays
-free] in ``allocator.py``).
+(Note [one task per direct request]). With O_DIRECT, host tensors go straight between their own
+memory pages and the drive (Note [zero-copy direct I/O] in ``_hostbuf.py``), reads land in
+reusable buffers (Note [reuse reload memory]), and CUDA tensors pass through a page-aligned
+staging buffer of the I/O thread. Freed space is punched only once it has stayed free for a while
+(Note [trim what stays free] in ``allocator.py``).
 """
 
 from __future__ import annotations
@@ -231,10 +231,9 @@ class PosixBackend(ArenaBackend):
             lead_of(dst) == lead and dst.storage_offset() * dst.element_size() >= lead
             and capacity(dst) >= align_up(lead + extent.nbytes) - lead))
         ready_once = _Once(ready) if ready is not None else None
-        crcs = checksum if checksum is not None else None
-        groups = self._groups(arena, extent, lead, device.is_cuda(dst))
+        crcs = checksum  # one per window, in order
         futures, first = [], 0
-        for g in groups:
+        for g in self._groups(arena, extent, lead, device.is_cuda(dst)):
             crc = None if crcs is None else crcs[first:first + len(g)]
             futures.append(arena.read_pool.submit(self._read_chunks, arena, dst, extent.offset, lead, g, in_place,
                                                   crc, ready_once))
