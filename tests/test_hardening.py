@@ -91,31 +91,38 @@ def _inject(monkeypatch, name, fail):
     return fail_result
 
 
+# "4KiB": every request is many windows, moved in order by one task (Note [one task per direct
+# request]); a failure in any of them fails the whole request.
+CHUNKS = ["8MiB", "4KiB"]
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
 @pytest.mark.parametrize("kind", ["eio", "short"])
-def test_write_errors_follow_the_policy(off_dir, monkeypatch, kind):
+def test_write_errors_follow_the_policy(off_dir, monkeypatch, kind, chunk):
     result = _inject(monkeypatch, "_pwrite", lambda n: n % 3 == 0)
     result["_pwrite"] = OSError(errno.EIO, "Input/output error") if kind == "eio" else 0
     model = _model()
     x = torch.randn(64, 256)
     base = step(model, lambda: model(x).sum(), None)
-    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, on_error="keep")
+    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, on_error="keep", chunk_bytes=chunk)
     with pytest.warns(RuntimeWarning, match="a write failed"):
         assert_same(base, step(model, lambda: model(x).sum(), off, wait=True))
     assert off.stats().failed_writes > 0
     off.close()
-    strict = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, on_error="raise")
+    strict = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, on_error="raise", chunk_bytes=chunk)
     with pytest.raises(StorageError, match="short write" if kind == "short" else "Input/output error"):
         step(model, lambda: model(x).sum(), strict, wait=True)
     strict.close()
 
 
+@pytest.mark.parametrize("chunk", CHUNKS)
 @pytest.mark.parametrize("kind", ["eio", "short"])
-def test_read_errors_never_return_garbage(off_dir, monkeypatch, kind):
+def test_read_errors_never_return_garbage(off_dir, monkeypatch, kind, chunk):
     result = _inject(monkeypatch, "_preadv", lambda n: n == 2)
     result["_preadv"] = OSError(errno.EIO, "Input/output error") if kind == "eio" else 0
     model = _model()
     x = torch.randn(64, 256)
-    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0)
+    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, chunk_bytes=chunk)
     with off:
         loss = model(x).sum()
     off.wait()

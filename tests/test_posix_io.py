@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from ssdtrain.config import OffloadConfig
-from ssdtrain.store import _hostbuf
 from ssdtrain.store._hostbuf import HUGE, HostBufferPool
 from ssdtrain.store.posix import PosixBackend
 
