@@ -38,7 +38,9 @@ def figures(result: dict) -> dict:
         "step_time_ratio": off["step_time_ratio"],  # median of per-round ratios (see ssdtrain/bench.py)
         "step_time_ratio_of_medians": off["step_time_ratio_of_medians"],
         "step_time_ratios": off["step_time_ratios"],
+        "step_time_ratio_ci95": off["step_time_ratio_ci95"],
         "step_time_ratio_unstolen": off["step_time_ratio_unstolen"],
+        "more_stolen_rounds": off["more_stolen_rounds"],
         "stolen_share": max((m["stolen_share"] for m in (base, off) if m["stolen_share"] is not None), default=None),
         "stall_share": off["stall_s"] / off["step_time_s"],
         "resident_share": off["peak_saved_bytes"] / base["peak_saved_bytes"],
@@ -100,9 +102,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label:<52} {fig[key]:7.3f}   target {bound} {target:.2f}   {'met' if met else 'MISSED'}")
         if key == "step_time_ratio":
             print(f"{'  per round':<52} {' '.join(f'{r:.3f}' for r in fig['step_time_ratios'])}")
+            if fig["step_time_ratio_ci95"] is not None:
+                lo, hi = fig["step_time_ratio_ci95"]
+                print(f"{'  95% confidence interval of that median':<52} {lo:7.3f} - {hi:.3f}")
             print(f"{'  ratio of the two medians':<52} {fig['step_time_ratio_of_medians']:7.3f}")
             if fig["stolen_share"] is not None:
                 print(f"{'  host steal (CPU time taken by the hypervisor)':<52} {fig['stolen_share']:7.3f}")
+                print(f"{'  rounds where offload lost more to steal':<52} "
+                      f"{fig['more_stolen_rounds']} of {len(fig['step_time_ratios'])}")
                 print(f"{'  median ratio with steal taken out (estimate)':<52} {fig['step_time_ratio_unstolen']:7.3f}")
     if ns.json:
         with open(ns.json, "w") as f:

@@ -170,7 +170,18 @@ def test_step_time_benchmark_smoke(tmp_path, capsys):
     assert "offload/baseline" in text and "peak_resident_bytes" in text
     fig = json.loads(out.read_text())["figures"]
     assert fig["step_time_ratio"] > 0 and fig["stall_share"] >= 0 and 0 < fig["resident_share"] <= 1.0
-    assert json.loads(out.read_text())["bench"]["model"]["layers"] >= 8
+    result = json.loads(out.read_text())["bench"]
+    assert result["model"]["layers"] >= 8
+    # The host line, as a busy host would make it: steal per mode, and the rounds where the
+    # offloaded step lost more to the host than baseline's.
+    base, off = result["modes"]["baseline"], result["modes"]["offload"]
+    base.update(stolen_share=0.04, stolen_shares=[0.04] * 3)
+    off.update(stolen_share=0.15, stolen_shares=[0.15] * 3, more_stolen_rounds=3, step_time_ratio_unstolen=1.1)
+    table = bench.format_table(result)
+    assert "(median per step): baseline 4%, offload 15%" in table
+    assert "offload steps lost more to the host than baseline's in 3 of 3 rounds (on a virtual disk" in table
+    off.update(more_stolen_rounds=1)
+    assert "in 1 of 3 rounds\n" in bench.format_table(result)
 
 
 def test_steal_is_reported_and_taken_out_per_step(monkeypatch):
@@ -188,10 +199,25 @@ def test_steal_is_reported_and_taken_out_per_step(monkeypatch):
     assert off["step_time_ratio_unstolen"] == pytest.approx(1.05)
     assert base["stolen_shares"] == pytest.approx([0.0, 0.8 / 4.8, 0.0])
     assert base["stolen_share"] == 0.0 and off["stolen_share"] == 0.0
+    assert off["more_stolen_rounds"] == 0  # round 2's steal hit baseline, not offload
+    steps["offload"][2].stolen = 0.44  # 10% of round 3's offload step
+    out = bench._summarize(steps, {"baseline": (10, None, None), "offload": (1, None, None)}, {})
+    assert out["offload"]["more_stolen_rounds"] == 1
+    assert out["offload"]["step_time_ratio_ci95"] is None  # 3 rounds: no 95% interval exists
     # Unknown steal (no /proc/stat): no estimate rather than a wrong one.
     steps["offload"][0].stolen = None
     out = bench._summarize(steps, {"baseline": (10, None, None), "offload": (1, None, None)}, {})
     assert out["offload"]["step_time_ratio_unstolen"] is None and out["offload"]["stolen_share"] is None
+
+
+def test_median_interval_is_the_binomial_order_statistic_interval():
+    # Ranks from the binomial(n, 1/2) tail: 6 values -> 1st..6th (96.9%), 12 -> 3rd..10th
+    # (96.1%; 4th..9th would be 85.4%), 30 -> 10th..21st (95.7%).
+    assert bench.median_interval([5.0, 1.0, 4.0, 2.0, 3.0]) is None
+    assert bench.median_interval([6.0, 1.0, 5.0, 2.0, 4.0, 3.0]) == (1.0, 6.0)
+    assert bench.median_interval([float(x) for x in range(12, 0, -1)]) == (3.0, 10.0)
+    assert bench.median_interval([float(x) for x in range(1, 31)]) == (10.0, 21.0)
+    assert bench.median_interval([float(x) for x in range(1, 13)], coverage=0.8) == (4.0, 9.0)
 
 
 def test_stolen_seconds_reads_the_steal_column(monkeypatch, tmp_path):
