@@ -13,6 +13,7 @@ Usage::
     python benchmarks/io_interference.py                      # 0.43 GB/s to $SSDTRAIN_PATH or /tmp
     python benchmarks/io_interference.py --gbps 0.2 --steps 16 --path /nvme
     python benchmarks/io_interference.py --offload            # offloaded steps in the same rounds
+    python benchmarks/io_interference.py --huge-pages         # the same traffic from huge pages too
 """
 
 from __future__ import annotations
@@ -32,18 +33,26 @@ import ssdtrain
 from ssdtrain._measure import stolen_seconds, usual_allocations
 from ssdtrain.models import GPT, GPTConfig, preset
 
-# The traffic: half writes, half reads, in 8 MiB requests over a 512 MiB region, paced.
+# The traffic: half writes, half reads, in 8 MiB requests over a 512 MiB region, paced. Its
+# buffer is on 4 KiB pages (shared memory, which THP leaves alone), as torch's tensors are, or
+# with "huge" on 2 MiB transparent huge pages, as the offloader's reload buffers are: the same
+# bytes then reach the drive in fewer, larger requests with fewer segments each.
 _TRAFFIC = r"""
-import mmap, os, sys, tempfile, time
-gbps, path = float(sys.argv[1]), sys.argv[2]
-chunk, size = 8 << 20, 512 << 20
+import ctypes, mmap, os, sys, tempfile, time
+gbps, path, pages = float(sys.argv[1]), sys.argv[2], sys.argv[3]
+chunk, size, huge = 8 << 20, 512 << 20, 2 << 20
 fd, name = tempfile.mkstemp(dir=path)
 os.close(fd)
 fd = os.open(name, os.O_RDWR | getattr(os, "O_DIRECT", 0))
 os.unlink(name)
-buf = mmap.mmap(-1, size)
-buf.write(b"\x5a" * size)
-mv = memoryview(buf)
+if pages == "huge":
+    buf = mmap.mmap(-1, size + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    start = -ctypes.addressof(ctypes.c_char.from_buffer(buf)) % huge
+    buf.madvise(mmap.MADV_HUGEPAGE, start, size)
+else:
+    buf, start = mmap.mmap(-1, size), 0
+mv = memoryview(buf)[start:start + size]
+mv[:] = b"\x5a" * size
 for off in range(0, size, chunk):
     os.pwrite(fd, mv[off:off + chunk], off)
 print("ready", flush=True)
@@ -62,7 +71,8 @@ while True:
 """
 
 
-_LABEL = {"quiet": "quiet", "busy": "with traffic", "offload": "offloaded"}
+_LABEL = {"quiet": "quiet", "busy": "with traffic", "busy-huge": "with traffic from huge pages",
+          "offload": "offloaded"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offload", action="store_true",
                     help="also run offloaded steps (default config, to --path) in the same rounds: "
                          "their cost beside the traffic's")
+    ap.add_argument("--huge-pages", action="store_true",
+                    help="also run steps with the same traffic from a buffer on transparent huge pages: "
+                         "what the size of the physical pages under the I/O costs")
     ns = ap.parse_args(argv)
     if ns.gbps <= 0 or ns.steps < 1:
         ap.error("--gbps must be > 0 and --steps >= 1")
@@ -84,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     model = GPT(cfg)
     # Each mode trains its own copy: the same compute, and no offloader hooks on the baseline.
     copies = {"quiet": model, "busy": copy.deepcopy(model)}
+    if ns.huge_pages:
+        copies["busy-huge"] = copy.deepcopy(model)
     if ns.offload:
         copies["offload"] = copy.deepcopy(model)
     opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-3) for name, m in copies.items()}
@@ -116,8 +131,9 @@ def main(argv: list[str] | None = None) -> int:
             tokens = torch.randint(0, cfg.vocab, (ns.batch, cfg.seq))
             for name in names if r % 2 == 0 else reversed(names):
                 traffic = None
-                if name == "busy":
-                    traffic = subprocess.Popen([sys.executable, "-c", _TRAFFIC, str(ns.gbps), ns.path],
+                if name.startswith("busy"):
+                    pages = "huge" if name == "busy-huge" else "small"
+                    traffic = subprocess.Popen([sys.executable, "-c", _TRAFFIC, str(ns.gbps), ns.path, pages],
                                                stdout=subprocess.PIPE, text=True)
                     if traffic.stdout.readline().strip() != "ready":
                         traffic.wait()
@@ -146,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{_LABEL[n]} / quiet: median of per-round ratios {statistics.median(ratios):.3f}   "
               f"ratio of medians {statistics.median(times[n]) / statistics.median(quiet):.3f}")
         print("  per round: " + " ".join(f"{x:.3f}" for x in ratios))
+    if ns.huge_pages:
+        ratios = [h / b for h, b in zip(times["busy-huge"], times["busy"])]
+        print(f"with traffic from huge pages / from small pages: median of per-round ratios "
+              f"{statistics.median(ratios):.3f}")
     if ns.offload:
         ratios = [o / b for o, b in zip(times["offload"], times["busy"])]
         print(f"offloaded / with traffic (the offloader's own share): median of per-round ratios "

@@ -238,9 +238,10 @@ def test_io_interference_benchmark_smoke(tmp_path, capsys):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     (tmp_path / "nvme").mkdir()
-    rc = module.main(["--tiny", "--offload", "--steps", "1", "--gbps", "0.05", "--batch", "2",
+    rc = module.main(["--tiny", "--offload", "--huge-pages", "--steps", "1", "--gbps", "0.05", "--batch", "2",
                       "--path", str(tmp_path / "nvme")])
     assert rc == 0
     text = capsys.readouterr().out
     assert "with traffic / quiet" in text and "offloaded / with traffic" in text
+    assert "with traffic from huge pages / quiet" in text and "from huge pages / from small pages" in text
     assert list((tmp_path / "nvme").iterdir()) == []  # the traffic file and the arena are gone
