@@ -38,17 +38,17 @@ from ssdtrain.models import GPT, GPTConfig, preset
 # with "huge" on 2 MiB transparent huge pages, as the offloader's reload buffers are: the same
 # bytes then reach the drive in fewer, larger requests with fewer segments each.
 _TRAFFIC = r"""
-import ctypes, mmap, os, sys, tempfile, time
+import mmap, os, sys, tempfile, time
+from ssdtrain.store._hostbuf import HostMapping
 gbps, path, pages = float(sys.argv[1]), sys.argv[2], sys.argv[3]
-chunk, size, huge = 8 << 20, 512 << 20, 2 << 20
+chunk, size = 8 << 20, 512 << 20
 fd, name = tempfile.mkstemp(dir=path)
 os.close(fd)
 fd = os.open(name, os.O_RDWR | getattr(os, "O_DIRECT", 0))
 os.unlink(name)
 if pages == "huge":
-    buf = mmap.mmap(-1, size + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    start = -ctypes.addressof(ctypes.c_char.from_buffer(buf)) % huge
-    buf.madvise(mmap.MADV_HUGEPAGE, start, size)
+    m = HostMapping(size)  # the reload buffers' mapping: huge-page aligned, MADV_HUGEPAGE
+    buf, start = m.mm, m.start
 else:
     buf, start = mmap.mmap(-1, size), 0
 mv = memoryview(buf)[start:start + size]

@@ -390,10 +390,10 @@ def median_interval(values: list[float], coverage: float = 0.95) -> tuple[float,
     xs = sorted(values)
     n = len(xs)
     best = None
-    below = 0.0  # P(Binomial(n, 1/2) <= k - 1): the median lies below the k-th smallest value
     for k in range(1, (n + 1) // 2 + 1):
-        below += math.comb(n, k - 1) / 2 ** n
-        if 1 - 2 * below < coverage:
+        # The median lies below the k-th smallest value when at most k - 1 values fall below
+        # it, as likely as n - k + 1 or more falling above it; the same again on the other side.
+        if 1 - 2 * sign_test_p(n - k + 1, n) < coverage:
             break
         best = (xs[k - 1], xs[n - k])
     return best
