@@ -109,6 +109,7 @@ class Offloader:
         self._writing = 0
         self._writing_bytes = 0
         self._late_frees = 0  # extents of freed entries still being read into a dropped buffer
+        self._late_extents: deque = deque()  # ... and those whose read is done: free at a safe point
         # Note [a window as small as the drive allows]: read-ahead starts small and is resized
         # once per backward pass (at its start) from what the pass before it cost: it doubles
         # when backward waited on reads for more than STALL_BUDGET of that time, and shrinks by
@@ -202,7 +203,7 @@ class Offloader:
         self._pump()
         with self._lock:
             while self._write_queue or self._writing or self._late_frees:
-                self._cond.wait(timeout=1.0)
+                self._wait_io()
             armed = [s for s in self._scopes.values() if s.armed]
             for scope in armed:
                 scope.restart()  # the window kept what it passed in memory; release it too
@@ -259,7 +260,7 @@ class Offloader:
                     self._cancel_write(e)
             self._write_queue.clear()
             while self._writing:
-                self._cond.wait(timeout=1.0)
+                self._wait_io()
         self._drain()
         with self._lock:
             for e in self._entries.values():
@@ -413,7 +414,7 @@ class Offloader:
                     finally:
                         self._lock.acquire()
                     continue
-                self._cond.wait(timeout=1.0)
+                self._wait_io()
         waited = time.perf_counter() - start
         self._counters.add(scope.stats_id, "backpressure_stall_seconds", waited)
         self._counters.add(scope.stats_id, "stall_seconds", waited)
@@ -504,9 +505,26 @@ class Offloader:
         self._counters.add(e.scope.stats_id, "cancelled_writes", 1)
         self._cond.notify_all()
 
+    def _wait_io(self) -> None:
+        """Under the lock: waits for some I/O to finish. I/O that the caller completes (the
+        posix backend's ring) is waited for with the lock released, so its callbacks can take it."""
+        if self._late_extents:
+            self._free_late()
+            return
+        if self._backend.needs_poll():
+            self._lock.release()
+            try:
+                self._backend.wait_any()
+            finally:
+                self._lock.acquire()
+            return
+        # Late frees are queued by their callbacks without the lock, so without a notification.
+        self._cond.wait(timeout=0.01 if self._late_frees else 1.0)
+
     # -- safe points -----------------------------------------------------------------------------
     def _safe_point(self, *, raise_errors: bool) -> None:
-        if self._graveyard or self._completed:
+        self._backend.poll()
+        if self._graveyard or self._completed or self._late_extents:
             self._drain()
         if self._warnings:
             for msg in self._warnings:
@@ -525,6 +543,7 @@ class Offloader:
         check is exact; only then is the in-memory copy dropped.
         """
         with self._lock:
+            self._free_late()
             while self._graveyard:
                 e, gen = self._graveyard.popleft()
                 self._drop_ref(e, gen)
@@ -564,20 +583,23 @@ class Offloader:
             self._counters.resident(-e.nbytes)
         if e.read_future is not None and not e.read_future.done():
             # The read still fills its buffer: give the extent back only when it is done.
-            ext, self_ = e.extent, self
+            # The callback only queues the extent: it may run on this thread, inside this lock,
+            # if the read completes between the check above and this line.
+            ext, late = e.extent, self._late_extents
             e.extent = None
             self._late_frees += 1
-            e.read_future.add_done_callback(lambda f: self_._late_free(ext))
+            e.read_future.add_done_callback(lambda f: late.append(ext))
         elif e.extent is not None and state is not State.WRITING:
             self._free_extent(e)
         e.data = e.guard = e.loaded = e.read_buf = e.read_future = None
 
-    def _late_free(self, extent) -> None:
-        with self._lock:
+    def _free_late(self) -> None:
+        """Under the lock: gives back the extents whose reads into dropped buffers are done."""
+        while self._late_extents:
+            extent = self._late_extents.popleft()
             self._disk_bytes -= extent.length
             self._backend.free(extent)
             self._late_frees -= 1
-            self._cond.notify_all()
 
     def _maybe_drop_loaded(self, e: Entry) -> None:
         """Once every live save of a reloaded entry has been unpacked, hold its buffer weakly."""

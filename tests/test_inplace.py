@@ -47,6 +47,7 @@ def test_modification_racing_a_slow_write_raises(off_dir, monkeypatch):
         return real(fd, buf, offset)
 
     monkeypatch.setattr(posix, "_pwrite", slow)
+    monkeypatch.setenv("SSDTRAIN_IO_ENGINE", "threads")  # the ring does not go through the seam
     off = ssdtrain.Offloader(path=str(off_dir), min_bytes=0, backend="posix")
     x = torch.randn(64, 1024, requires_grad=True)
     with off:
