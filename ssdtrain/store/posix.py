@@ -8,7 +8,9 @@ order by one I/O thread when they go direct from host memory and in parallel whe
 memory pages and the drive (Note [zero-copy direct I/O] in ``_hostbuf.py``), reads land in
 reusable buffers (Note [reuse reload memory]), and CUDA tensors pass through a page-aligned
 staging buffer of the I/O thread. Freed space is punched only once it has stayed free for a while
-(Note [trim what stays free] in ``allocator.py``).
+(Note [trim what stays free] in ``allocator.py``). With ``io_engine="uring"``, O_DIRECT host
+requests skip the threads: they go through io_uring from the calling thread and complete when
+the engine polls (Note [I/O without threads] in ``_uring.py``, Note [a shallow ring] below).
 """
 
 from __future__ import annotations
