@@ -439,7 +439,10 @@ class _RingFuture(Future):
                 if left <= 0:
                     return
                 if not self._ring.poll():
-                    super().exception(timeout=min(left, 0.001))
+                    try:
+                        super().exception(timeout=min(left, 0.001))
+                    except TimeoutError:
+                        pass
                 continue
             if not self._ring.wait():
                 # Another thread reaped it and runs its callbacks now, or it was never submitted
