@@ -110,7 +110,6 @@ class Ring:
         self._lock = threading.Lock()
         self._tokens: dict[int, object] = {}
         self._next = 0
-        self._unsubmitted = 0
         self._ready: deque = deque()
         try:
             so, co = p.sq_off, p.cq_off
@@ -137,66 +136,46 @@ class Ring:
         self._cq_mask = u32.from_buffer(self._cq_mm, co[2]).value
         self._cqes_off = co[5]
         self.entries = p.sq_entries
-        # The kernel may hold more completions than the CQ ring (it keeps overflow in a list since
-        # 5.5), but do not count on it: never have more in flight than the CQ ring holds.
-        self._room = threading.Semaphore(p.cq_entries)
         self.cq_entries = p.cq_entries
         self.in_flight = 0
 
     # -- submission ---------------------------------------------------------------------------
     def submit(self, ops: list[tuple[int, int, int, int, int, object]]) -> None:
-        """Submits ``(opcode, fd, address, length, offset, token)`` operations, in order.
+        """Submits ``(opcode, fd, address, length, offset, token)`` operations, in order, each
+        with its own system call.
 
-        Blocks (reaping) while the ring is full. Raises ``OSError`` if the kernel refuses them;
-        nothing of this call is then in flight.
+        Waits for room while the CQ ring is full (completions are then only set aside for the
+        next poll: this caller may hold locks that their callbacks take). Raises ``OSError`` if
+        the kernel refuses an operation; that one is not in flight, those before it are.
         """
         for op in ops:
-            while not self._room.acquire(blocking=False):
-                # Full: what was queued must reach the kernel before a completion can be awaited;
-                # completions are set aside for the next poll (this caller may hold locks that
-                # their callbacks take).
+            while True:
                 with self._lock:
-                    self._enter_locked()
+                    # The kernel may hold more completions than the CQ ring (an overflow list
+                    # since 5.5), but do not count on it: never more in flight than it holds.
+                    if self.in_flight < self.cq_entries:
+                        self._push_locked(op)
+                        break
                 self._collect(block=True)
-            with self._lock:
-                if self._unsubmitted == self.entries:
-                    self._enter_locked()
-                tail = self._sq_tail.value
-                idx = tail & self._sq_mask
-                key = self._next
-                self._next += 1
-                self._tokens[key] = op[5]
-                _SQE.pack_into(self._sqes, idx * _SQE.size, op[0], 0, 0, op[1], op[4], op[2], op[3], 0, key,
-                               0, 0, 0, 0, 0)
-                self._sq_array[idx] = idx
-                self._sq_tail.value = tail + 1  # x86: seen after the entry (Note [I/O without threads])
-                self._unsubmitted += 1
-                self.in_flight += 1
-        with self._lock:
-            self._enter_locked()
 
-    def _enter_locked(self) -> None:
-        while self._unsubmitted:
-            n = _syscall()(_SYS_ENTER, self.fd, self._unsubmitted, 0, 0, None, 0)
-            if n < 0:
-                err = ctypes.get_errno()
-                if err in (errno.EINTR, errno.EAGAIN, errno.EBUSY):
-                    continue
-                # Take back what the kernel did not consume: those never started.
-                self._drop_unsubmitted()
-                raise OSError(err, f"io_uring_enter: {os.strerror(err)}")
-            self._unsubmitted -= n
-
-    def _drop_unsubmitted(self) -> None:
+    def _push_locked(self, op: tuple[int, int, int, int, int, object]) -> None:
         tail = self._sq_tail.value
-        for i in range(self._unsubmitted):
-            idx = (tail - 1 - i) & self._sq_mask
-            key = struct.unpack_from("<Q", self._sqes, idx * _SQE.size + 32)[0]
-            self._tokens.pop(key, None)
-            self.in_flight -= 1
-            self._room.release()
-        self._sq_tail.value = tail - self._unsubmitted
-        self._unsubmitted = 0
+        idx = tail & self._sq_mask
+        key = self._next
+        self._next += 1
+        _SQE.pack_into(self._sqes, idx * _SQE.size, op[0], 0, 0, op[1], op[4], op[2], op[3], 0, key, 0, 0, 0, 0, 0)
+        self._sq_array[idx] = idx
+        self._sq_tail.value = tail + 1  # x86: seen after the entry (Note [I/O without threads])
+        while True:
+            n = _syscall()(_SYS_ENTER, self.fd, 1, 0, 0, None, 0)
+            if n == 1:
+                break
+            err = ctypes.get_errno() if n < 0 else errno.EAGAIN
+            if err not in (errno.EINTR, errno.EAGAIN, errno.EBUSY):
+                self._sq_tail.value = tail  # not consumed: take it back
+                raise OSError(err, f"io_uring_enter: {os.strerror(err)}")
+        self._tokens[key] = op[5]
+        self.in_flight += 1
 
     # -- completion ---------------------------------------------------------------------------
     def _collect(self, *, block: bool) -> None:
@@ -217,8 +196,6 @@ class Ring:
                 n += 1
             self._cq_head.value = head
             self.in_flight -= n
-        for _ in range(n):
-            self._room.release()
 
     def has_ready(self) -> bool:
         """Completions reaped but not yet handed to ``on_complete``."""
@@ -248,8 +225,6 @@ class Ring:
         """Like :meth:`poll`, but first blocks (GIL released) until a completion is posted, if
         none is ready and anything is in flight."""
         while not self._ready and self.in_flight:
-            with self._lock:
-                self._enter_locked()
             self._collect(block=True)
         return self._run_ready()
 

@@ -243,9 +243,12 @@ class PosixBackend(ArenaBackend):
             try:
                 # On the ring a transfer has no thread to time it: the range marks its submission.
                 with profiled("ssdtrain.write" if op == _uring.OP_WRITE else "ssdtrain.read"):
-                    self._ring.submit([(op, w.request.arena.fd_direct, w.address, w.length, w.offset, w)])
+                    self._ring_send(w)
             except OSError as e:  # the kernel refused it: this window fails, like a failed transfer
                 self._ring_done(w, -(e.errno or errno.EIO))
+
+    def _ring_send(self, w: _RingWindow) -> None:
+        self._ring.submit([(w.op, w.request.arena.fd_direct, w.address, w.length, w.offset, w)])
 
     def _ring_done(self, w: _RingWindow, res: int) -> None:
         """A window finished (on the thread that polled the ring)."""
@@ -255,7 +258,7 @@ class PosixBackend(ArenaBackend):
         if 0 < res < w.length:  # short: the rest of the window goes again
             w.address, w.length, w.offset = w.address + res, w.length - res, w.offset + res
             try:
-                self._ring.submit([(w.op, req.arena.fd_direct, w.address, w.length, w.offset, w)])
+                self._ring_send(w)
                 return
             except OSError as e:
                 err = e
@@ -434,23 +437,18 @@ class _RingFuture(Future):
     def _drive(self, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self.done():
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return
-                if not self._ring.poll():
-                    try:
-                        super().exception(timeout=min(left, 0.001))
-                    except TimeoutError:
-                        pass
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return
+            # Untimed, block in the ring; timed, only poll it, so that the deadline holds.
+            if self._ring.wait() if left is None else self._ring.poll():
                 continue
-            if not self._ring.wait():
-                # Another thread reaped it and runs its callbacks now, or it was never submitted
-                # (then the ring is empty): wait on the future itself.
-                try:
-                    super().exception(timeout=0.01)
-                except TimeoutError:
-                    pass
+            # Nothing came: another thread reaped it and runs its callbacks now, or it was never
+            # submitted (then the ring is empty). Wait on the future itself, briefly.
+            try:
+                super().exception(timeout=0.01 if left is None else min(left, 0.001))
+            except TimeoutError:
+                pass
 
     def result(self, timeout: float | None = None):
         self._drive(timeout)
