@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 
 from ssdtrain.bench import BenchArgs, format_table, run
@@ -66,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--check", action="store_true", help="exit 1 if a target is missed")
+    ap.add_argument("--control", action="store_true",
+                    help="also run baseline with forward's allocations on huge pages (offload's default "
+                    "host_allocator), to tell that allocator's share of the step time from offloading's")
     ns = ap.parse_args(argv)
 
     if ns.tiny:
@@ -79,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         model=model,
         batch=ns.batch or (4 if not ns.tiny else 2),
         steps=ns.steps or (1 if ns.tiny else 12),
-        modes=("baseline", "offload"),
+        modes=("baseline", "offload") + (("hugepages",) if ns.control else ()),
         path=ns.path,
         work_dir=ns.work_dir,
         data=ns.data,
@@ -111,6 +115,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{'  rounds where offload lost more to steal':<52} "
                       f"{fig['more_stolen_rounds']} of {len(fig['step_time_ratios'])}")
                 print(f"{'  median ratio with steal taken out (estimate)':<52} {fig['step_time_ratio_unstolen']:7.3f}")
+    if "hugepages" in result["modes"]:
+        hp, off = result["modes"]["hugepages"], result["modes"]["offload"]
+        per_round = [o / h for o, h in zip(off["step_time_ratios"], hp["step_time_ratios"])]
+        fig["control_ratio"] = hp["step_time_ratio"]
+        fig["offload_over_control"] = statistics.median(per_round)
+        print(f"{'control: baseline on huge pages / baseline':<52} {fig['control_ratio']:7.3f}")
+        print(f"{'  offload / that control (median over rounds)':<52} {fig['offload_over_control']:7.3f}")
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump({"figures": fig, "targets": TARGETS, "bench": result}, f, indent=2, default=str)

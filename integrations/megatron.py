@@ -88,6 +88,8 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("verify", dict(action="store_true", default=None, help="checksum every extent written and read")),
     ("io_threads", dict(type=int, metavar="N", help="I/O threads per path")),
     ("io_engine", dict(choices=_config.IO_ENGINES, help="posix backend: io_uring, I/O threads, or auto")),
+    ("host_allocator", dict(choices=_config.HOST_ALLOCATORS,
+                            help="CPU tensors of 2MiB+ made in forward: on huge pages, torch's allocator, or auto")),
     ("direct_io", dict(type=_on_off_auto, metavar="on|off|auto", help="O_DIRECT for the posix backend")),
     ("chunk_bytes", dict(type=_size, metavar="SIZE", help="size of one I/O request")),
     ("rated_tbw", dict(type=float, metavar="TB", help="the drive's rated endurance, for the wear warning")),

@@ -6,6 +6,11 @@ Three modes train the same model (same initial weights, same batches) in one pro
 * ``recompute`` - ``torch.utils.checkpoint`` per block (``use_reentrant=False``);
 * ``offload`` - :class:`ssdtrain.Offloader` on the model, default config, at ``--path``.
 
+A fourth mode, ``hugepages``, is a control run only when asked for (``--modes``): baseline with
+forward's CPU allocations on huge pages, as the offloader's default ``host_allocator`` puts them
+(Note [written tensors on huge pages] in ``ssdtrain/_hostalloc.py``). It tells how much of
+offload's step time comes from that allocator rather than from the offloading.
+
 Each round runs every mode once on the same batch, in alternating order (baseline, recompute,
 offload; then offload, recompute, baseline; ...), so that noise from the machine hits all alike;
 the first round is a warm-up and is not counted. Timed steps run with no instrumentation, on
@@ -61,6 +66,7 @@ __all__ = ["MODES", "BenchArgs", "format_table", "main", "run"]
 
 
 MODES = ("baseline", "recompute", "offload")
+CONTROL_MODES = ("hugepages",)  # run only when named in ``modes``
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 GB = 1e9
 
@@ -125,6 +131,12 @@ class _Mode:
         model.recompute = name == "recompute"
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         self.off = None
+        self.huge_pages = name == "hugepages"
+        if self.huge_pages:
+            from ssdtrain import _hostalloc
+
+            if not _hostalloc.available():
+                raise ValueError(f"mode hugepages: {_hostalloc.unavailable_reason()}")
         if name == "offload":
             import ssdtrain
 
@@ -135,6 +147,14 @@ class _Mode:
         if self.off is not None:
             with self.off:
                 loss = self.model(tokens, targets)
+        elif self.huge_pages:
+            from ssdtrain import _hostalloc
+
+            _hostalloc.use()
+            try:
+                loss = self.model(tokens, targets)
+            finally:
+                _hostalloc.release()
         else:
             loss = self.model(tokens, targets)
         if marks is not None:
@@ -261,8 +281,8 @@ def run(args: BenchArgs) -> dict:
     from ssdtrain.data import TokenLoader
 
     for mode in args.modes:
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+        if mode not in MODES + CONTROL_MODES:
+            raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES + CONTROL_MODES)}")
     if args.steps < 1 or args.batch < 1:
         raise ValueError(f"steps and batch must be >= 1, got {args.steps} and {args.batch}")
     dtype = DTYPES[args.dtype]
@@ -288,8 +308,9 @@ def run(args: BenchArgs) -> dict:
     modes = {name: _Mode(name, copy.deepcopy(reference), args.path) for name in args.modes}
     del reference
     if "offload" in modes:
-        result["offload"] = {"backend": modes["offload"].off.backend,
-                             "config": _config_dict(modes["offload"].off.config)}
+        off = modes["offload"].off
+        result["offload"] = {"backend": off.backend, "config": _config_dict(off.config),
+                             "host_allocator": off.host_allocator, "host_allocator_reason": off.host_allocator_reason}
 
     sampler = RssSampler()
     steps: dict[str, list[_Step]] = {name: [] for name in modes}
@@ -494,6 +515,9 @@ def format_table(result: dict) -> str:
         lines.append(f"drive: {', '.join(drive['paths'])}: raw bandwidth unknown ({drive.get('error', 'no probe')})")
     if "offload" in result:
         lines.append(f"offload backend: {result['offload']['backend']}")
+        if "host_allocator" in result["offload"]:
+            lines.append(f"host allocator: {result['offload']['host_allocator']} "
+                         f"({result['offload']['host_allocator_reason']})")
     head = ("mode", "step", "vs base", "peak saved", "vs base", "peak RSS+", "vs base",
             "written", "read", "write GB/s", "read GB/s", "stall")
     rows = [head]
@@ -594,7 +618,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, help="timed steps per mode after one warm-up (default 3)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     ap.add_argument("--naive-attention", action="store_true", help="materialise the s x s scores")
-    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help="comma-separated, from " + ",".join(MODES + CONTROL_MODES) + " (default: the first three)")
     ap.add_argument("--path", help="offload directory (default: $SSDTRAIN_PATH, else the temp dir)")
     ap.add_argument("--work-dir", help="cache for the token corpus (default ~/.cache/ssdtrain/bench)")
     ap.add_argument("--data", choices=("auto", "dali", "torch"), default="auto",
@@ -640,9 +665,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     try:
         args = args_from_cli(ns)
-        bad = [m for m in args.modes if m not in MODES]
+        bad = [m for m in args.modes if m not in MODES + CONTROL_MODES]
         if bad or not args.modes:
-            raise ValueError(f"--modes: unknown {', '.join(bad) or '(empty)'}; choose from {', '.join(MODES)}")
+            raise ValueError(f"--modes: unknown {', '.join(bad) or '(empty)'}; "
+                             f"choose from {', '.join(MODES + CONTROL_MODES)}")
     except ValueError as exc:
         print(f"ssdtrain bench: {exc}", file=sys.stderr)
         return 2
