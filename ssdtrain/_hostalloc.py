@@ -44,6 +44,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -125,6 +126,7 @@ def build(out: Path | None = None) -> Path:
     lib = out or library_path()
     if lib.is_file():
         return lib
+    start = time.perf_counter()
     include, libdir = _torch_dirs()
     lib.parent.mkdir(parents=True, exist_ok=True)
     tmp = lib.with_name(f".{lib.name}.{os.getpid()}.{threading.get_ident()}")
@@ -140,6 +142,7 @@ def build(out: Path | None = None) -> Path:
         tail = "\n".join(done.stderr.strip().splitlines()[-6:])
         raise Unavailable(f"compiling {SOURCE_NAME} failed ({' '.join(cmd)}):\n{tail}")
     os.replace(tmp, lib)  # atomic: another process loading it never sees half a file
+    log.info("ssdtrain: built the huge-page allocator in %.1f s: %s", time.perf_counter() - start, lib)
     return lib
 
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from ssdtrain import _measure, bench
+from ssdtrain import _hostalloc, _measure, bench
 from ssdtrain._progress import Progress
 from ssdtrain.models import GPT, GPTConfig
 
@@ -163,13 +163,17 @@ def test_step_time_benchmark_smoke(tmp_path, capsys):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     out = tmp_path / "step.json"
+    control = _hostalloc.available()  # the control mode needs the huge-page allocator (CI has it)
     rc = module.main(["--tiny", "--data", "torch", "--path", str(tmp_path / "nvme"),
-                      "--work-dir", str(tmp_path / "work"), "--json", str(out)])
+                      "--work-dir", str(tmp_path / "work"), "--json", str(out)] + ["--control"] * control)
     assert rc == 0
     text = capsys.readouterr().out
     assert "offload/baseline" in text and "peak_resident_bytes" in text
     fig = json.loads(out.read_text())["figures"]
     assert fig["step_time_ratio"] > 0 and fig["stall_share"] >= 0 and 0 < fig["resident_share"] <= 1.0
+    if control:
+        assert "host allocator: hugepage" in text and "control: baseline on huge pages / baseline" in text
+        assert fig["control_ratio"] > 0 and fig["offload_over_control"] > 0
     result = json.loads(out.read_text())["bench"]
     assert result["model"]["layers"] >= 8
     # The host line, as a busy host would make it: steal per mode, and the rounds where the
