@@ -55,7 +55,8 @@ def check_equivalent(model, loss_fn, off_dir, *, steps: int = 2, inputs=(), expe
         if expect_io:
             assert stats.written_bytes > 0, "nothing was offloaded: the test would prove nothing"
             assert stats.read_bytes > 0, "nothing was read back: the test would prove nothing"
-        assert stats.live_entries == 0 and stats.live_disk_bytes == 0, "entries or extents leaked"
+        assert stats.live_entries == 0 and stats.live_disk_bytes == 0, (
+            f"entries or extents leaked: {stats.live_entries} entries, {stats.live_disk_bytes} bytes on disk")
     finally:
         off.close()
     assert list(off_dir.iterdir()) == [], "files left behind"
