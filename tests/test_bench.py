@@ -256,3 +256,19 @@ def test_io_interference_benchmark_smoke(tmp_path, capsys):
     assert "with traffic / quiet" in text and "offloaded / with traffic" in text
     assert "with traffic from huge pages / quiet" in text and "from huge pages / from small pages" in text
     assert list((tmp_path / "nvme").iterdir()) == []  # the traffic file and the arena are gone
+
+
+def test_io_requests_benchmark_smoke(tmp_path, capsys):
+    """benchmarks/io_requests.py at tiny size: counts the drive's requests and context switches."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "io_requests.py"
+    spec = importlib.util.spec_from_file_location("io_requests_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--tiny", "--steps", "1", "--batch", "2", "--path", str(tmp_path),
+                        "--config", '{"min_bytes": 0}']) == 0
+    text = capsys.readouterr().out
+    assert "mode: offload, host allocator" in text and "per step:" in text
+    assert "training thread" in text and "context switches per step" in text
