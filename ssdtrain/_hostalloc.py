@@ -29,6 +29,7 @@ leaves torch's allocator alone and says why in :func:`unavailable_reason`.
 
 Environment:
     SSDTRAIN_HOST_ALLOCATOR   default of ``OffloadConfig.host_allocator``
+    SSDTRAIN_NO_EXT=1         no native code: the allocator is neither built nor loaded
     CXX                       the compiler (default: ``g++``, else ``c++``)
 """
 
@@ -150,6 +151,8 @@ def build(out: Path | None = None) -> Path:
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
     """``(library, None)`` or ``(None, why not)``; built on the first call, cached for the
     process (``_load.cache_clear()`` in tests)."""
+    if os.environ.get("SSDTRAIN_NO_EXT", "").strip().lower() not in ("", "0", "false", "no", "off"):
+        return None, "SSDTRAIN_NO_EXT is set (no native code is built or loaded)"
     try:
         _check_platform()
         path = build()

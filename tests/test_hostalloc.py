@@ -133,6 +133,19 @@ def test_unavailable_allocator(off_dir, monkeypatch):
     assert not (off_dir / "new").exists()
 
 
+def test_no_native_code_when_asked(off_dir, monkeypatch):
+    monkeypatch.setenv("SSDTRAIN_NO_EXT", "1")
+    _hostalloc._load.cache_clear()
+    try:
+        off = ssdtrain.Offloader(torch.nn.Linear(4, 4), path=str(off_dir))
+        assert off.host_allocator == "torch" and "SSDTRAIN_NO_EXT" in off.host_allocator_reason
+        off.close()
+    finally:
+        monkeypatch.delenv("SSDTRAIN_NO_EXT")
+        _hostalloc._load.cache_clear()
+    assert _hostalloc.available()
+
+
 def test_compiler_failure_is_reported(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", shutil.which("false") or "/bin/false")
     with pytest.raises(_hostalloc.Unavailable, match="compiling ssdtrain_hostalloc.cpp failed"):
