@@ -29,13 +29,24 @@ LIB_NAME = "libssdtrain_cufile.so"
 ABI_VERSION = 1
 
 
+def cache_dir() -> str:
+    """Where ssdtrain's native libraries are built and looked for: ``$XDG_CACHE_HOME/ssdtrain``,
+    else ``~/.cache/ssdtrain``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "ssdtrain")
+
+
+def native_code_disabled() -> bool:
+    """``SSDTRAIN_NO_EXT`` is set: no native code of ssdtrain is built or loaded."""
+    return os.environ.get("SSDTRAIN_NO_EXT", "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
 def library_path() -> str:
     """Where the extension is looked for."""
     explicit = os.environ.get("SSDTRAIN_EXT_PATH")
     if explicit:
         return explicit
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "ssdtrain", LIB_NAME)
+    return os.path.join(cache_dir(), LIB_NAME)
 
 
 def _preload_cufile() -> None:
@@ -55,7 +66,7 @@ def _preload_cufile() -> None:
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
     """``(library, None)`` or ``(None, why not)``; cached for the process (``_load.cache_clear()``
     in tests)."""
-    if os.environ.get("SSDTRAIN_NO_EXT", "").strip().lower() not in ("", "0", "false", "no", "off"):
+    if native_code_disabled():
         return None, "SSDTRAIN_NO_EXT is set"
     path = library_path()
     if not os.path.isfile(path):

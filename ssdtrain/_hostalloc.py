@@ -50,6 +50,8 @@ from pathlib import Path
 
 import torch
 
+from ssdtrain import _ext
+
 __all__ = ["HUGE", "available", "unavailable_reason", "source_path", "library_path", "build", "use",
            "release", "installed", "counters"]
 
@@ -73,11 +75,6 @@ def source_path() -> Path:
             return candidate
     raise Unavailable(f"{SOURCE_NAME} is not shipped with this installation of ssdtrain "
                       f"(looked in {here / '_native'} and {here.parent / 'cuda_ext'})")
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "ssdtrain"
 
 
 def _compiler() -> str:
@@ -115,7 +112,7 @@ def library_path() -> Path:
         source, torch.__version__.encode(), os.path.dirname(torch.__file__).encode(),
         str(int(torch._C._GLIBCXX_USE_CXX11_ABI)).encode(), _compiler().encode(), platform.machine().encode(),
     ])).hexdigest()[:16]
-    return _cache_dir() / f"libssdtrain_hostalloc-{key}.so"
+    return Path(_ext.cache_dir()) / f"libssdtrain_hostalloc-{key}.so"
 
 
 def build(out: Path | None = None) -> Path:
@@ -151,7 +148,7 @@ def build(out: Path | None = None) -> Path:
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
     """``(library, None)`` or ``(None, why not)``; built on the first call, cached for the
     process (``_load.cache_clear()`` in tests)."""
-    if os.environ.get("SSDTRAIN_NO_EXT", "").strip().lower() not in ("", "0", "false", "no", "off"):
+    if _ext.native_code_disabled():
         return None, "SSDTRAIN_NO_EXT is set (no native code is built or loaded)"
     try:
         _check_platform()
