@@ -231,7 +231,7 @@ def test_profiler_ranges(off_dir):
 
 def test_window_grows_with_waiting_and_shrinks_without(monkeypatch):
     """Note [a window as small as the drive allows], on a fake clock: a pass that waited on
-    reads for more than 1% of its time doubles the window for the next one, small waits keep
+    reads for more than 0.25% of its time doubles the window for the next one, small waits keep
     it, none shrinks it by a quarter down to where it started; waits that add up to 10% of the
     last pass double it at once."""
     clock = [1000.0]
@@ -251,9 +251,9 @@ def test_window_grows_with_waiting_and_shrinks_without(monkeypatch):
         return window
 
     clock[0] += 1.0                                   # the first forward
-    assert backward_pass(2.0, [0.01]) == w0
-    assert backward_pass(2.0, [0.02, 0.03]) == w0     # 0.5% waited before: kept
-    assert backward_pass(2.0) == 2 * w0               # 2.5% waited before: doubled
+    assert backward_pass(2.0, [0.002]) == w0
+    assert backward_pass(2.0, [0.004, 0.004]) == w0   # 0.1% waited before: kept
+    assert backward_pass(2.0) == 2 * w0               # 0.4% waited before: doubled
     assert backward_pass(2.0) == 2 * w0 - w0 // 2     # no wait: a quarter less
     sizes = [backward_pass(2.0) for _ in range(6)]
     assert sizes == sorted(sizes, reverse=True) and sizes[-1] == w0  # down to the floor, not below
