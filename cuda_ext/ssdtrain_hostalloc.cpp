@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <mutex>
+#include <unordered_map>
+#include <vector>
 
 #ifndef MADV_COLLAPSE
 #define MADV_COLLAPSE 25  // Linux 6.1
@@ -24,19 +26,76 @@
 namespace {
 
 constexpr size_t kHuge = size_t(2) << 20;
-constexpr int kAbiVersion = 1;
+constexpr size_t kPage = 4096;
+constexpr int kAbiVersion = 2;
 
 std::atomic<uint64_t> g_huge_allocations{0};
 std::atomic<uint64_t> g_huge_bytes{0};
+std::atomic<uint64_t> g_reused{0};
+
+// Blocks this allocator made, and those of them no tensor uses now (Note [reuse freed blocks]).
+struct Blocks {
+  std::mutex mutex;
+  std::unordered_map<void*, size_t> length;             // every block not given back to the C library
+  std::unordered_map<size_t, std::vector<void*>> idle;  // blocks to hand out again, by length
+  size_t idle_bytes = 0;
+  size_t limit = 0;
+};
+Blocks* const g_blocks = new Blocks();  // never destroyed, like the allocator below
+
+// torch's default CPU allocator's deleter (it reports to the profiler and frees): memory this
+// allocator did not make itself (small allocations) goes back through it.
+std::atomic<c10::DeleterFnPtr> g_plain_deleter{nullptr};
+
+// Note [reuse freed blocks]
+// A block freed while the offloader runs (a tensor written, then dropped) used to go back to the
+// C library, which returns large ones to the system; the next forward then faulted fresh pages in
+// and the kernel zeroed every one. On the bench model that was 60-80 ms a step of clearing pages
+// that baseline (whose memory glibc keeps in its heap) does not pay. Blocks are therefore kept,
+// up to a limit, and handed out again for an allocation of the same length (page-rounded):
+// the layers of a model allocate the same shapes over and over, so most find one. A kept block
+// is on huge pages already (no madvise again). Bytes beyond the limit, and everything idle at
+// ssdtrain_hostalloc_trim(), go back to the C library.
+void free_block(void* p) {
+  if (p == nullptr) {
+    return;
+  }
+  Blocks& b = *g_blocks;
+  bool ours = false;
+  bool keep = false;
+  {
+    std::lock_guard<std::mutex> lock(b.mutex);
+    auto it = b.length.find(p);
+    if (it != b.length.end()) {
+      ours = true;
+      const size_t len = it->second;
+      if (b.idle_bytes + len <= b.limit) {
+        b.idle[len].push_back(p);
+        b.idle_bytes += len;
+        keep = true;
+      } else {
+        b.length.erase(it);
+      }
+    }
+  }
+  if (!ours) {
+    g_plain_deleter.load(std::memory_order_acquire)(p);
+    return;
+  }
+  c10::profiledCPUMemoryReporter().Delete(p);
+  if (!keep) {
+    std::free(p);
+  }
+}
 
 // What torch's own allocator does with THP_MEM_ALLOC_ENABLE=1 (posix_memalign at a huge page,
-// MADV_HUGEPAGE, reported to the profiler, freed by that allocator's deleter), so tensors from
-// either allocator are alike to torch. It is only ever put in front of torch's default CPU
-// allocator, whose deleter frees memory from posix_memalign. One addition: memory the C library
-// hands out again may have been touched on small pages before (by allocations made before this
-// allocator was in place, or by small ones); MADV_HUGEPAGE does not change pages already there,
-// so MADV_COLLAPSE replaces them by huge pages (a copy, once per range; on a range already on a
-// huge page it costs a page-table walk).
+// MADV_HUGEPAGE, reported to the profiler), so tensors from either allocator are alike to torch;
+// plus reuse of freed blocks (Note [reuse freed blocks]). It is only ever put in front of torch's
+// default CPU allocator. One more addition: memory the C library hands out again may have been
+// touched on small pages before (by allocations made before this allocator was in place, or by
+// small ones); MADV_HUGEPAGE does not change pages already there, so MADV_COLLAPSE replaces them
+// by huge pages (a copy, once per range; on a range already on a huge page it costs a page-table
+// walk).
 class HugePageAllocator final : public c10::Allocator {
  public:
   // The allocator that serves what this one does not (torch's, as a rule). Set at each install;
@@ -48,29 +107,48 @@ class HugePageAllocator final : public c10::Allocator {
     if (n < kHuge) {
       return next()->allocate(n);
     }
-    void* p = nullptr;
-    if (posix_memalign(&p, kHuge, n) != 0 || p == nullptr) {
-      return next()->allocate(n);  // let torch's allocator fail (or succeed) its own way
+    const size_t len = (n + kPage - 1) / kPage * kPage;
+    void* p = take_idle(len);
+    if (p == nullptr) {
+      if (posix_memalign(&p, kHuge, len) != 0 || p == nullptr) {
+        return next()->allocate(n);  // let torch's allocator fail (or succeed) its own way
+      }
+      // MADV_COLLAPSE fails where nothing was touched yet (no page table: the first touch
+      // faults a huge page in anyway) and on kernels before 6.1; either way the memory is good.
+      madvise(p, len, MADV_HUGEPAGE);
+      madvise(p, len / kHuge * kHuge, MADV_COLLAPSE);
+      std::lock_guard<std::mutex> lock(g_blocks->mutex);
+      g_blocks->length[p] = len;
     }
-    // MADV_COLLAPSE fails where nothing was touched yet (no page table: the first touch faults
-    // a huge page in anyway) and on kernels before 6.1; either way the memory is still good.
-    madvise(p, (n + 4095) / 4096 * 4096, MADV_HUGEPAGE);
-    madvise(p, n / kHuge * kHuge, MADV_COLLAPSE);
     c10::profiledCPUMemoryReporter().New(p, n);
     g_huge_allocations.fetch_add(1, std::memory_order_relaxed);
     g_huge_bytes.fetch_add(n, std::memory_order_relaxed);
-    return {p, p, next()->raw_deleter(), c10::Device(c10::DeviceType::CPU)};
+    return {p, p, &free_block, c10::Device(c10::DeviceType::CPU)};
   }
 
-  // raw_allocate/raw_deallocate (torch uses them for scratch memory) free both kinds alike.
-  c10::DeleterFnPtr raw_deleter() const override { return next()->raw_deleter(); }
+  // raw_allocate/raw_deallocate (torch uses them for scratch memory): free_block tells its own
+  // blocks from torch's.
+  c10::DeleterFnPtr raw_deleter() const override { return &free_block; }
 
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     default_copy_data(dest, src, count);
   }
 
-
  private:
+  static void* take_idle(size_t len) {
+    Blocks& b = *g_blocks;
+    std::lock_guard<std::mutex> lock(b.mutex);
+    auto it = b.idle.find(len);
+    if (it == b.idle.end() || it->second.empty()) {
+      return nullptr;
+    }
+    void* p = it->second.back();
+    it->second.pop_back();
+    b.idle_bytes -= len;
+    g_reused.fetch_add(1, std::memory_order_relaxed);
+    return p;
+  }
+
   std::atomic<c10::Allocator*> next_{nullptr};
 };
 
@@ -100,6 +178,7 @@ int ssdtrain_hostalloc_install() {
     return 1;
   }
   g_allocator->set_next(current);
+  g_plain_deleter.store(plain->raw_deleter(), std::memory_order_release);
   c10::SetCPUAllocator(g_allocator, /*priority=*/0);  // refused when someone set a higher priority
   if (c10::GetCPUAllocator() != g_allocator) {
     return 1;
@@ -130,5 +209,39 @@ int ssdtrain_hostalloc_installed() {
 
 uint64_t ssdtrain_hostalloc_allocations() { return g_huge_allocations.load(); }
 uint64_t ssdtrain_hostalloc_bytes() { return g_huge_bytes.load(); }
+uint64_t ssdtrain_hostalloc_reused() { return g_reused.load(); }
+
+uint64_t ssdtrain_hostalloc_idle_bytes() {
+  std::lock_guard<std::mutex> lock(g_blocks->mutex);
+  return g_blocks->idle_bytes;
+}
+
+// At most this many bytes of freed blocks are kept for reuse (0: none; the default).
+void ssdtrain_hostalloc_set_idle_limit(uint64_t limit) {
+  std::lock_guard<std::mutex> lock(g_blocks->mutex);
+  g_blocks->limit = limit;
+}
+
+// Gives every idle block back to the C library; returns how many bytes that was.
+uint64_t ssdtrain_hostalloc_trim() {
+  std::vector<void*> blocks;
+  uint64_t bytes = 0;
+  {
+    std::lock_guard<std::mutex> lock(g_blocks->mutex);
+    for (auto& [len, ps] : g_blocks->idle) {
+      for (void* p : ps) {
+        g_blocks->length.erase(p);
+        blocks.push_back(p);
+      }
+    }
+    bytes = g_blocks->idle_bytes;
+    g_blocks->idle.clear();
+    g_blocks->idle_bytes = 0;
+  }
+  for (void* p : blocks) {
+    std::free(p);
+  }
+  return bytes;
+}
 
 }  // extern "C"

@@ -15,11 +15,15 @@ step: 700 to 780 write requests and 540 to 630 worker wake-ups from 4 KiB pages,
 So while an Offloader is active (the forward passes it wraps: where the tensors it writes are
 allocated) ssdtrain puts its own CPU allocator in front of torch's, through torch's
 ``c10::SetCPUAllocator``: allocations of at least one huge page get the memory torch's own
-option would give them (aligned to 2 MiB, ``MADV_HUGEPAGE``, freed by torch's own deleter),
-and smaller ones go to torch's allocator unchanged. Memory the C library hands out again may
-sit on 4 KiB pages already, which ``MADV_HUGEPAGE`` does not change; ``MADV_COLLAPSE`` (Linux
-6.1) moves such a range onto a huge page once. When the Offloader deactivates, torch's
-allocator is back; tensors keep the memory they have, and free it as any other.
+option would give them (aligned to 2 MiB, ``MADV_HUGEPAGE``, reported to torch's memory
+profiler), and smaller ones go to torch's allocator unchanged. Memory the C library hands out
+again may sit on 4 KiB pages already, which ``MADV_HUGEPAGE`` does not change; ``MADV_COLLAPSE``
+(Linux 6.1) moves such a range onto a huge page once. When the Offloader deactivates, torch's
+allocator is back; tensors keep the memory they have. A freed block is kept (up to
+``IDLE_LIMIT`` bytes in all, whatever allocator is in place when it is freed) and handed out again
+for an allocation of its length, so that forward does not fault in and zero fresh pages for
+what it freed a layer before (Note [reuse freed blocks] in the C++ source); ``trim()`` gives
+the kept blocks back, and the Offloader calls it when it closes.
 
 The allocator is native code (``cuda_ext/ssdtrain_hostalloc.cpp``, about a hundred lines),
 compiled on first use against the installed torch with the system's C++ compiler (about a
@@ -53,12 +57,14 @@ import torch
 from ssdtrain import _ext
 
 __all__ = ["HUGE", "available", "unavailable_reason", "source_path", "library_path", "build", "use",
-           "release", "installed", "counters"]
+           "release", "installed", "counters", "trim"]
 
 log = logging.getLogger(__name__)
 
 HUGE = 2 << 20
-ABI_VERSION = 1
+ABI_VERSION = 2
+# Note [reuse freed blocks] (in the C++ source): freed blocks kept for reuse, at most this many bytes.
+IDLE_LIMIT = 512 << 20
 SOURCE_NAME = "ssdtrain_hostalloc.cpp"
 THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
@@ -160,8 +166,10 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         return None, str(e)
     except OSError as e:
         return None, f"cannot load the huge-page allocator: {e}"
-    for name in ("allocations", "bytes"):
+    for name in ("allocations", "bytes", "reused", "idle_bytes", "trim"):
         getattr(lib, f"ssdtrain_hostalloc_{name}").restype = ctypes.c_uint64
+    lib.ssdtrain_hostalloc_set_idle_limit.argtypes = [ctypes.c_uint64]
+    lib.ssdtrain_hostalloc_set_idle_limit(IDLE_LIMIT)
     return lib, None
 
 
@@ -220,8 +228,20 @@ def installed() -> bool:
 
 
 def counters() -> dict[str, int]:
-    """Allocations the allocator put on huge pages since the process started, and their bytes."""
+    """Allocations the allocator served on huge pages since the process started and their bytes;
+    how many of them reused a freed block; the bytes of freed blocks kept for reuse now."""
     lib = _load()[0] if _load.cache_info().currsize else None
     if lib is None:
-        return {"allocations": 0, "bytes": 0}
-    return {"allocations": lib.ssdtrain_hostalloc_allocations(), "bytes": lib.ssdtrain_hostalloc_bytes()}
+        return {"allocations": 0, "bytes": 0, "reused": 0, "idle_bytes": 0}
+    return {"allocations": lib.ssdtrain_hostalloc_allocations(), "bytes": lib.ssdtrain_hostalloc_bytes(),
+            "reused": lib.ssdtrain_hostalloc_reused(), "idle_bytes": lib.ssdtrain_hostalloc_idle_bytes()}
+
+
+def trim() -> int:
+    """Gives the freed blocks kept for reuse back to the C library, unless a user is active;
+    returns their bytes. The Offloader calls it when it closes."""
+    lib = _load()[0] if _load.cache_info().currsize else None
+    if lib is None:
+        return 0
+    with _lock:
+        return 0 if _users else lib.ssdtrain_hostalloc_trim()
