@@ -57,7 +57,7 @@ def test_forward_allocations_go_on_huge_pages_and_torch_gets_its_allocator_back(
     outside = torch.ones(3 * HUGE // 4)
     assert _hostalloc.counters() == after  # torch's allocator again
     assert float(big.sum()) == 3 * HUGE // 4 and float(outside.sum()) == 3 * HUGE // 4
-    del big  # freed by torch's deleter while torch's allocator is in place
+    del big  # freed while torch's allocator is in place: kept for reuse all the same
     off.close()
 
 
@@ -108,7 +108,8 @@ def test_allocator_stays_while_any_scope_is_active(off_dir):
 def test_gradients_exact_with_huge_pages(off_dir, dtype):
     """A GPT with s x s attention scores of 2 MiB and more, dropout, layer norm, views of one QKV
     storage; in bfloat16 the loss is taken in float32 (mixed dtypes). Offloaded with the
-    allocator in place, gradients equal those of a step without offloading, bit for bit."""
+    allocator in place, gradients equal those of a step without offloading, bit for bit, also in
+    the second step, whose forward runs on blocks the first one freed (stale bytes in them)."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=256, seq=128, layers=3, hidden=128, heads=4, dropout=0.1, flash=False)).to(dtype)
     tok = torch.randint(0, 256, (16, 128))
@@ -119,8 +120,46 @@ def test_gradients_exact_with_huge_pages(off_dir, dtype):
         assert_same(base, step(model, lambda: model(tok, tok), off, wait=i == 1))
     s = off.stats()
     assert _hostalloc.counters()["bytes"] - before["bytes"] >= s.written_bytes // 2
+    assert _hostalloc.counters()["reused"] > before["reused"]
     assert s.written_bytes > 0 and s.read_bytes > 0
     off.close()
+
+
+def test_freed_blocks_are_reused_within_a_limit_and_given_back_at_close(off_dir):
+    """Note [reuse freed blocks]: a freed block comes back for an allocation of its length (its
+    old bytes are not seen through torch.zeros), not for another length; no more than the limit
+    is kept; close() gives the kept blocks back, and trim() keeps them while a scope is active."""
+    lib = _hostalloc._load()[0]
+    off = ssdtrain.Offloader(torch.nn.Linear(8, 8), path=str(off_dir))
+    _hostalloc.trim()
+    n = 3 * HUGE // 4  # 6 MiB of float32
+    try:
+        with off:
+            a = torch.full((n,), 7.0)
+            where = a.data_ptr()
+            del a
+            assert _hostalloc.counters()["idle_bytes"] == 3 * HUGE
+            before = _hostalloc.counters()
+            b = torch.zeros(n)
+            assert b.data_ptr() == where and not b.any()
+            assert _hostalloc.counters()["reused"] == before["reused"] + 1
+            c = torch.ones(n + HUGE // 4)  # another length: a new block
+            assert c.data_ptr() != where
+            assert _hostalloc.counters()["reused"] == before["reused"] + 1
+            assert _hostalloc.trim() == 0  # a scope is active: kept
+        del b, c  # freed outside the scope: kept too
+        assert _hostalloc.counters()["idle_bytes"] == 3 * HUGE + 4 * HUGE
+
+        _hostalloc.trim()
+        lib.ssdtrain_hostalloc_set_idle_limit(4 * HUGE)
+        with off:
+            blocks = [torch.ones(n) for _ in range(3)]
+        del blocks
+        assert _hostalloc.counters()["idle_bytes"] == 3 * HUGE  # a second 6 MiB block would pass 8 MiB
+    finally:
+        lib.ssdtrain_hostalloc_set_idle_limit(_hostalloc.IDLE_LIMIT)
+    off.close()
+    assert _hostalloc.counters()["idle_bytes"] == 0
 
 
 def test_torch_and_auto_choices(off_dir):
