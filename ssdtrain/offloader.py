@@ -307,8 +307,6 @@ class Offloader:
                     e.error = RuntimeError("ssdtrain: this saved tensor was on storage when its Offloader was "
                                            "closed; run backward before close()")
         self._finalizer()
-        if self._huge_pages:
-            _hostalloc.trim()  # the freed blocks kept for the next forward (none comes)
 
     # -- activation -------------------------------------------------------------------------
     def _activate(self, scope: Scope) -> None:

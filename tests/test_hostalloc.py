@@ -125,14 +125,15 @@ def test_gradients_exact_with_huge_pages(off_dir, dtype):
     off.close()
 
 
-def test_freed_blocks_are_reused_within_a_limit_and_given_back_at_close(off_dir):
-    """Note [reuse freed blocks]: a freed block comes back for an allocation of its length (its
-    old bytes are not seen through torch.zeros), not for another length; no more than the limit
-    is kept; close() gives the kept blocks back, and trim() keeps them while a scope is active."""
+def test_freed_blocks_are_reused_within_a_limit_and_given_back_after_forward(off_dir):
+    """Note [reuse freed blocks]: a block freed inside a scope comes back for an allocation of its
+    length (its old bytes are not seen through torch.zeros), not for another length; no more than
+    the limit is kept; what is still kept when the last scope ends goes back to the C library,
+    and a block freed outside any scope (in backward) goes straight back."""
     lib = _hostalloc._load()[0]
     off = ssdtrain.Offloader(torch.nn.Linear(8, 8), path=str(off_dir))
-    _hostalloc.trim()
     n = 3 * HUGE // 4  # 6 MiB of float32
+    assert _hostalloc.counters()["idle_bytes"] == 0
     try:
         with off:
             a = torch.full((n,), 7.0)
@@ -146,16 +147,18 @@ def test_freed_blocks_are_reused_within_a_limit_and_given_back_at_close(off_dir)
             c = torch.ones(n + HUGE // 4)  # another length: a new block
             assert c.data_ptr() != where
             assert _hostalloc.counters()["reused"] == before["reused"] + 1
+            del c
+            assert _hostalloc.counters()["idle_bytes"] == 4 * HUGE
             assert _hostalloc.trim() == 0  # a scope is active: kept
-        del b, c  # freed outside the scope: kept too
-        assert _hostalloc.counters()["idle_bytes"] == 3 * HUGE + 4 * HUGE
+        assert _hostalloc.counters()["idle_bytes"] == 0  # the scope ended: given back
+        del b  # freed outside any scope: straight back
+        assert _hostalloc.counters()["idle_bytes"] == 0
 
-        _hostalloc.trim()
         lib.ssdtrain_hostalloc_set_idle_limit(4 * HUGE)
         with off:
             blocks = [torch.ones(n) for _ in range(3)]
-        del blocks
-        assert _hostalloc.counters()["idle_bytes"] == 3 * HUGE  # a second 6 MiB block would pass 8 MiB
+            del blocks
+            assert _hostalloc.counters()["idle_bytes"] == 3 * HUGE  # a second 6 MiB block would pass 8 MiB
     finally:
         lib.ssdtrain_hostalloc_set_idle_limit(_hostalloc.IDLE_LIMIT)
     off.close()
