@@ -19,11 +19,11 @@ option would give them (aligned to 2 MiB, ``MADV_HUGEPAGE``, reported to torch's
 profiler), and smaller ones go to torch's allocator unchanged. Memory the C library hands out
 again may sit on 4 KiB pages already, which ``MADV_HUGEPAGE`` does not change; ``MADV_COLLAPSE``
 (Linux 6.1) moves such a range onto a huge page once. When the Offloader deactivates, torch's
-allocator is back; tensors keep the memory they have. A block freed while the allocator is in
-place is kept (up to ``IDLE_LIMIT`` bytes) and handed out again for an allocation of its
-length, so that forward does not fault in and zero fresh pages for what it freed a layer
-before (Note [reuse freed blocks] in the C++ source). The blocks still idle when the allocator
-is taken out go back to the C library.
+allocator is back; tensors keep the memory they have. A freed block (whatever allocator is in
+place when it is freed) is kept, up to ``IDLE_LIMIT`` bytes in all, and handed out again for an
+allocation of its length, so that forward does not fault in and zero fresh pages for what was
+freed a layer or a backward pass before (Note [reuse freed blocks] in the C++ source).
+``trim()`` gives the kept blocks back; the Offloader calls it when it closes.
 
 The allocator is native code (``cuda_ext/ssdtrain_hostalloc.cpp``, about 250 lines),
 compiled on first use against the installed torch with the system's C++ compiler (about a
@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 HUGE = 2 << 20
 ABI_VERSION = 2
 # Note [reuse freed blocks] (in the C++ source): freed blocks kept for reuse, at most this many bytes.
-IDLE_LIMIT = 512 << 20
+IDLE_LIMIT = 256 << 20
 SOURCE_NAME = "ssdtrain_hostalloc.cpp"
 THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
@@ -239,7 +239,7 @@ def counters() -> dict[str, int]:
 
 def trim() -> int:
     """Gives the freed blocks kept for reuse back to the C library, unless a user is active;
-    returns their bytes. (The last user's release does this too.)"""
+    returns their bytes. The Offloader calls it when it closes."""
     lib = _load()[0] if _load.cache_info().currsize else None
     if lib is None:
         return 0

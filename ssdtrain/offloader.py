@@ -307,6 +307,8 @@ class Offloader:
                     e.error = RuntimeError("ssdtrain: this saved tensor was on storage when its Offloader was "
                                            "closed; run backward before close()")
         self._finalizer()
+        if self._huge_pages:
+            _hostalloc.trim()  # Note [reuse freed blocks]: kept for a next forward that will not come
 
     # -- activation -------------------------------------------------------------------------
     def _activate(self, scope: Scope) -> None:
