@@ -8,7 +8,10 @@ measured steps:
   (``/sys/dev/block/MAJ:MIN/stat`` of the device holding ``--path``);
 * the training thread's voluntary and involuntary context switches (``/proc/self/task``);
 * the threads of the whole machine with the most context switches (kernel workers included:
-  on a virtio disk the block layer's ``kblockd`` restarts requests that do not fit its queue).
+  on a virtio disk the block layer's ``kblockd`` restarts requests that do not fit its queue);
+* the process's page faults and user and system CPU time, and how many of the huge-page
+  allocator's allocations reused a freed block (Note [reuse freed blocks] in
+  ``cuda_ext/ssdtrain_hostalloc.cpp``).
 
 Usage::
 
@@ -26,12 +29,14 @@ import collections
 import glob
 import json
 import os
+import resource
 import sys
 import tempfile
 
 import torch
 
 import ssdtrain
+from ssdtrain import _hostalloc
 from ssdtrain.models import GPT, GPTConfig, preset
 
 
@@ -93,8 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(2):
         step()
     dev0, sw0 = device_stat(ns.path), switches()
+    ru0, ha0 = resource.getrusage(resource.RUSAGE_SELF), _hostalloc.counters()
     for _ in range(ns.steps):
         step()
+    ru1, ha1 = resource.getrusage(resource.RUSAGE_SELF), _hostalloc.counters()
     dev1, sw1 = device_stat(ns.path), switches()
     n = ns.steps
     print(f"mode: {'baseline' if off is None else 'offload'}"
@@ -112,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         who = "training thread" if key == me else (f"this process: {name}" if f"/proc/{os.getpid()}/" in key else name)
         total[(who, "voluntary")] += (vol - vol0) / n
         total[(who, "involuntary")] += (invol - invol0) / n
+    print(f"per step: {(ru1.ru_minflt - ru0.ru_minflt) / n:.0f} page faults, "
+          f"{(ru1.ru_utime - ru0.ru_utime) / n:.3f} s user and {(ru1.ru_stime - ru0.ru_stime) / n:.3f} s system CPU "
+          f"(all threads); huge-page allocator: {(ha1['allocations'] - ha0['allocations']) / n:.0f} allocations, "
+          f"{(ha1['reused'] - ha0['reused']) / n:.0f} of them reused a freed block")
     print("context switches per step (top 6):")
     for (who, kind), count in total.most_common(6):
         print(f"  {who:<40} {kind:<12} {count:8.0f}")

@@ -272,3 +272,4 @@ def test_io_requests_benchmark_smoke(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "mode: offload, host allocator" in text and "per step:" in text
     assert "training thread" in text and "context switches per step" in text
+    assert "page faults" in text and "reused a freed block" in text
