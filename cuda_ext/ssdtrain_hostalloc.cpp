@@ -10,6 +10,7 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 
+#include <pthread.h>
 #include <sys/mman.h>
 
 #include <atomic>
@@ -181,6 +182,14 @@ uint64_t trim_idle() {
 }
 
 std::mutex g_mutex;
+
+// A fork (a DataLoader worker) copies the process with its locks as they are: had another thread
+// held the block lock at that moment, the child's first free of a tensor would wait forever. So
+// a fork waits for the lock, and both sides release it.
+void before_fork() { g_blocks->mutex.lock(); }
+void after_fork() { g_blocks->mutex.unlock(); }
+std::once_flag g_fork_handlers;
+
 // One object for the life of the process, never destroyed (not even at exit): torch may still
 // allocate through it while other libraries' destructors run.
 HugePageAllocator* const g_allocator = new HugePageAllocator();
@@ -195,6 +204,7 @@ int ssdtrain_hostalloc_abi_version() { return kAbiVersion; }
 // 0: installed (or already); 1: torch's CPU allocator is not its default one (someone else's is in
 // place; nothing done).
 int ssdtrain_hostalloc_install() {
+  std::call_once(g_fork_handlers, [] { pthread_atfork(before_fork, after_fork, after_fork); });
   std::lock_guard<std::mutex> lock(g_mutex);
   c10::Allocator* current = c10::GetCPUAllocator();
   if (current == g_allocator) {
