@@ -44,6 +44,10 @@ struct Blocks {
 };
 Blocks* const g_blocks = new Blocks();  // never destroyed, like the allocator below
 
+// Whether freed blocks are kept: from the allocator's installation until ssdtrain_hostalloc_trim()
+// (the Offloader's close()), so that tensors freed after training do not fill the list again.
+std::atomic<bool> g_keep{false};
+
 // torch's default CPU allocator's deleter (it reports to the profiler and frees): memory this
 // allocator did not make itself (small allocations) goes back through it.
 std::atomic<c10::DeleterFnPtr> g_plain_deleter{nullptr};
@@ -68,28 +72,36 @@ void free_block(void* p) {
     return;
   }
   Blocks& b = *g_blocks;
-  bool ours = false;
-  bool keep = false;
+  size_t len = 0;
   {
     std::lock_guard<std::mutex> lock(b.mutex);
     auto it = b.length.find(p);
     if (it != b.length.end()) {
-      ours = true;
-      const size_t len = it->second;
-      if (b.idle_bytes + len <= b.limit) {
-        b.idle[len].push_back(p);
-        b.idle_bytes += len;
-        keep = true;
-      } else {
-        b.length.erase(it);
-      }
+      len = it->second;
     }
   }
-  if (!ours) {
+  if (len == 0) {  // not ours: a small allocation torch's allocator made
     g_plain_deleter.load(std::memory_order_acquire)(p);
     return;
   }
+  // Reported freed before it can be handed out again: once in the idle list, another thread may
+  // take it and report it allocated, and a late Delete would drop that new record.
   c10::profiledCPUMemoryReporter().Delete(p);
+  bool keep = false;
+  {
+    std::lock_guard<std::mutex> lock(b.mutex);
+    if (g_keep.load(std::memory_order_acquire) && b.idle_bytes + len <= b.limit) {
+      try {
+        b.idle[len].push_back(p);
+        b.idle_bytes += len;
+        keep = true;
+      } catch (...) {  // no memory for the list: give the block back instead
+      }
+    }
+    if (!keep) {
+      b.length.erase(p);
+    }
+  }
   if (!keep) {
     std::free(p);
   }
@@ -124,8 +136,13 @@ class HugePageAllocator final : public c10::Allocator {
       // faults a huge page in anyway) and on kernels before 6.1; either way the memory is good.
       madvise(p, len, MADV_HUGEPAGE);
       madvise(p, len / kHuge * kHuge, MADV_COLLAPSE);
-      std::lock_guard<std::mutex> lock(g_blocks->mutex);
-      g_blocks->length[p] = len;
+      try {
+        std::lock_guard<std::mutex> lock(g_blocks->mutex);
+        g_blocks->length[p] = len;
+      } catch (...) {  // no memory for the table: this block is not kept track of, so not made
+        std::free(p);
+        return next()->allocate(n);
+      }
     }
     c10::profiledCPUMemoryReporter().New(p, n);
     g_huge_allocations.fetch_add(1, std::memory_order_relaxed);
@@ -209,6 +226,7 @@ int ssdtrain_hostalloc_install() {
   c10::Allocator* current = c10::GetCPUAllocator();
   if (current == g_allocator) {
     g_installed = true;
+    g_keep.store(true, std::memory_order_release);
     return 0;
   }
   c10::Allocator* plain = c10::GetDefaultCPUAllocator();
@@ -222,6 +240,7 @@ int ssdtrain_hostalloc_install() {
     return 1;
   }
   g_installed = true;
+  g_keep.store(true, std::memory_order_release);
   return 0;
 }
 
@@ -260,7 +279,11 @@ void ssdtrain_hostalloc_set_idle_limit(uint64_t limit) {
   g_blocks->limit = limit;
 }
 
-// Gives every idle block back to the C library; returns how many bytes that was.
-uint64_t ssdtrain_hostalloc_trim() { return trim_idle(); }
+// Gives every idle block back to the C library, and keeps no more until the allocator is
+// installed again; returns how many bytes that was.
+uint64_t ssdtrain_hostalloc_trim() {
+  g_keep.store(false, std::memory_order_release);
+  return trim_idle();
+}
 
 }  // extern "C"

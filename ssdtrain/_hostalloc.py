@@ -23,7 +23,8 @@ allocator is back; tensors keep the memory they have. A freed block (whatever al
 place when it is freed) is kept, up to ``IDLE_LIMIT`` bytes in all, and handed out again for an
 allocation of its length, so that forward does not fault in and zero fresh pages for what was
 freed a layer or a backward pass before (Note [reuse freed blocks] in the C++ source).
-``trim()`` gives the kept blocks back; the Offloader calls it when it closes.
+``trim()`` gives the kept blocks back and stops keeping more until the next forward; the
+Offloader calls it when it closes.
 
 The allocator is native code (``cuda_ext/ssdtrain_hostalloc.cpp``, about 250 lines),
 compiled on first use against the installed torch with the system's C++ compiler (about a
@@ -238,8 +239,9 @@ def counters() -> dict[str, int]:
 
 
 def trim() -> int:
-    """Gives the freed blocks kept for reuse back to the C library, unless a user is active;
-    returns their bytes. The Offloader calls it when it closes."""
+    """Gives the freed blocks kept for reuse back to the C library, unless a user is active, and
+    keeps none until the allocator is in place again; returns their bytes. The Offloader calls
+    it when it closes."""
     lib = _load()[0] if _load.cache_info().currsize else None
     if lib is None:
         return 0

@@ -129,7 +129,7 @@ def test_freed_blocks_are_reused_within_a_limit_and_given_back_at_close(off_dir)
     """Note [reuse freed blocks]: a freed block comes back for an allocation of its length (its
     old bytes are not seen through torch.zeros), not for another length; one freed outside any
     scope (in backward) is kept too; no more than the limit is kept; trim() keeps them while a
-    scope is active, and close() gives them back."""
+    scope is active, and close() gives them back and keeps no more."""
     lib = _hostalloc._load()[0]
     off = ssdtrain.Offloader(torch.nn.Linear(8, 8), path=str(off_dir))
     n = 3 * HUGE // 4  # 6 MiB of float32
@@ -158,6 +158,7 @@ def test_freed_blocks_are_reused_within_a_limit_and_given_back_at_close(off_dir)
         lib.ssdtrain_hostalloc_set_idle_limit(4 * HUGE)
         with off:
             blocks = [torch.ones(n) for _ in range(3)]
+            survivor = torch.ones(n)
             del blocks
             assert _hostalloc.counters()["idle_bytes"] == 3 * HUGE  # a second 6 MiB block would pass 8 MiB
         blocks = [torch.ones(n) for _ in range(2)]  # outside: torch's allocator (the kept block stays)
@@ -165,6 +166,8 @@ def test_freed_blocks_are_reused_within_a_limit_and_given_back_at_close(off_dir)
     finally:
         lib.ssdtrain_hostalloc_set_idle_limit(_hostalloc.IDLE_LIMIT)
     off.close()
+    assert _hostalloc.counters()["idle_bytes"] == 0
+    del survivor  # freed after close(): not kept (until an offloader is active again)
     assert _hostalloc.counters()["idle_bytes"] == 0
 
 
