@@ -176,28 +176,6 @@ class HugePageAllocator final : public c10::Allocator {
   std::atomic<c10::Allocator*> next_{nullptr};
 };
 
-// Gives every idle block back to the C library; returns how many bytes that was.
-uint64_t trim_idle() {
-  std::vector<void*> blocks;
-  uint64_t bytes = 0;
-  {
-    std::lock_guard<std::mutex> lock(g_blocks->mutex);
-    for (auto& [len, ps] : g_blocks->idle) {
-      for (void* p : ps) {
-        g_blocks->length.erase(p);
-        blocks.push_back(p);
-      }
-    }
-    bytes = g_blocks->idle_bytes;
-    g_blocks->idle.clear();
-    g_blocks->idle_bytes = 0;
-  }
-  for (void* p : blocks) {
-    std::free(p);
-  }
-  return bytes;
-}
-
 std::mutex g_mutex;
 
 // A fork (a DataLoader worker) copies the process with its locks as they are: had another thread
@@ -283,7 +261,24 @@ void ssdtrain_hostalloc_set_idle_limit(uint64_t limit) {
 // installed again; returns how many bytes that was.
 uint64_t ssdtrain_hostalloc_trim() {
   g_keep.store(false, std::memory_order_release);
-  return trim_idle();
+  std::vector<void*> blocks;
+  uint64_t bytes = 0;
+  {
+    std::lock_guard<std::mutex> lock(g_blocks->mutex);
+    for (auto& [len, ps] : g_blocks->idle) {
+      for (void* p : ps) {
+        g_blocks->length.erase(p);
+        blocks.push_back(p);
+      }
+    }
+    bytes = g_blocks->idle_bytes;
+    g_blocks->idle.clear();
+    g_blocks->idle_bytes = 0;
+  }
+  for (void* p : blocks) {
+    std::free(p);
+  }
+  return bytes;
 }
 
 }  // extern "C"
