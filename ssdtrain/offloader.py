@@ -245,7 +245,11 @@ class Offloader:
                 self._wait_io()
             armed = [s for s in self._scopes.values() if s.armed]
             for scope in armed:
-                scope.restart()  # the window kept what it passed in memory; release it too
+                # The window kept what it passed in memory; release it too. Writes that finished
+                # before now were settled at an earlier safe point and kept for the window: they
+                # go through the drain again.
+                scope.restart()
+                self._completed.extend(e for e in scope.order if e.state is State.WRITTEN)
         self._safe_point(raise_errors=True)
         with self._lock:
             for scope in armed:
