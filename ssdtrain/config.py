@@ -18,8 +18,6 @@ __all__ = ["OffloadConfig", "parse_bytes"]
 
 BACKENDS = ("auto", "posix", "kvikio", "memory")
 ON_ERROR = ("raise", "keep")
-IO_ENGINES = ("auto", "uring", "threads")
-HOST_ALLOCATORS = ("auto", "hugepage", "torch")
 WHEN_FULL = ("wait", "keep")
 
 _UNITS = {
@@ -120,18 +118,6 @@ class OffloadConfig:
     direct_io: bool | None = field(default_factory=lambda: _env_bool("SSDTRAIN_DIRECT_IO"))
     """O_DIRECT for the posix backend: ``True`` (required), ``False``, or ``None`` (when the
     filesystem supports it)."""
-    io_engine: str = field(default_factory=lambda: _env("SSDTRAIN_IO_ENGINE", "threads"))
-    """How the posix backend moves O_DIRECT host memory: ``"threads"`` (``io_threads`` workers,
-    the default), ``"uring"`` (io_uring, submitted and reaped by the training thread itself: no
-    I/O thread wakes up), or ``"auto"``: uring where the kernel offers it (Linux x86_64), else
-    threads. Buffered I/O, GPU tensors and ``verify`` always use the threads."""
-    host_allocator: str = field(default_factory=lambda: _env("SSDTRAIN_HOST_ALLOCATOR", "auto"))
-    """Where CPU tensors of 2 MiB or more that forward allocates inside the Offloader get their
-    memory: ``"hugepage"`` (on transparent huge pages, so that they are written in few large
-    requests: Note [written tensors on huge pages] in ``_hostalloc.py``; needs Linux and a C++
-    compiler the first time), ``"torch"`` (torch's allocator, untouched), or ``"auto"``:
-    ``"hugepage"`` for a model on the CPU written to files, where it can be built, else
-    ``"torch"``."""
     chunk_bytes: int = field(default_factory=lambda: parse_bytes(_env("SSDTRAIN_CHUNK_BYTES", 8 << 20)))
     """Size of one I/O request (syscall); larger tensors are split into requests of this size (one
     thread moves them in order on O_DIRECT host memory, several threads when they copy)."""
@@ -163,8 +149,6 @@ class OffloadConfig:
         _choice("backend", self.backend, BACKENDS)
         _choice("on_error", self.on_error, ON_ERROR)
         _choice("when_full", self.when_full, WHEN_FULL)
-        _choice("io_engine", self.io_engine, IO_ENGINES)
-        _choice("host_allocator", self.host_allocator, HOST_ALLOCATORS)
         for name in ("min_bytes", "prefetch_bytes", "max_inflight_bytes", "chunk_bytes"):
             put(name, parse_bytes(getattr(self, name), name=name))
         for name in ("keep_last_layers", "prefetch_layers"):

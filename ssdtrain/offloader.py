@@ -24,12 +24,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ssdtrain import _hostalloc, device
+from ssdtrain import device
 from ssdtrain.cache import SPAN_ALIGN, Entry, Ref, State, StorageIndex, byte_span, rebuild
 from ssdtrain.config import OffloadConfig
 from ssdtrain.schedule import Scope, find_blocks
 from ssdtrain.stats import Counters, OffloadStats
-from ssdtrain.store import Backend, StorageError, choose_backend, make_backend
+from ssdtrain.store import Backend, StorageError, make_backend
 from ssdtrain.store._mem import profiled
 
 __all__ = ["Offloader", "offload", "no_offload"]
@@ -46,33 +46,6 @@ STALL_BUDGET = 0.0025
 STALL_RUSH = 0.10
 _now = time.perf_counter  # a seam for the tests of that policy
 
-
-
-def _choose_host_allocator(config: OffloadConfig, models: list[nn.Module], backend: str) -> tuple[bool, str]:
-    """Whether forward's CPU allocations go on huge pages (``host_allocator``), and why (or why not).
-
-    Raises:
-        ValueError: ``"hugepage"`` was asked for and cannot be had here.
-    """
-    choice = config.host_allocator
-    if choice == "torch":
-        return False, "host_allocator='torch'"
-    if choice == "auto":
-        if backend == "memory":
-            return False, "the memory backend writes no files"
-        # Without a model to look at, CUDA is not asked (that would initialise it): on a GPU
-        # the allocator only sees the few large CPU tensors a forward pass makes, which is harmless.
-        tensors = [t for m in models for t in itertools.chain(m.parameters(), m.buffers())]
-        if any(t.device.type != "cpu" for t in tensors):
-            return False, "the model is not on the CPU"
-    why = _hostalloc.unavailable_reason()  # builds the allocator the first time
-    if why is None:
-        return True, "forward's CPU allocations of 2 MiB or more go on huge pages"
-    if choice == "hugepage":
-        raise ValueError(f"host_allocator='hugepage' cannot be used here: {why}. "
-                         "Use host_allocator='auto' (falls back to torch's allocator) or 'torch'")
-    log.info("ssdtrain: torch's CPU allocator stays in place: %s", why)
-    return False, why
 
 
 class Offloader:
@@ -129,8 +102,6 @@ class Offloader:
             raise ValueError(
                 f"keep_last_layers={config.keep_last_layers} needs blocks to count from: pass model= with an "
                 "nn.ModuleList of blocks (or layers='dotted.name'), or set keep_last_layers=0")
-        self._huge_pages, self.host_allocator_reason = _choose_host_allocator(
-            config, models, store.name if store is not None else choose_backend(config))
         self._backend: Backend = store if store is not None else make_backend(config)  # checks the paths
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -188,12 +159,6 @@ class Offloader:
     def backend(self) -> str:
         """The backend in use (``auto`` resolved), e.g. ``"posix"``."""
         return self._backend.name
-
-    @property
-    def host_allocator(self) -> str:
-        """``"hugepage"`` or ``"torch"``: ``config.host_allocator`` resolved (``host_allocator_reason``
-        says why)."""
-        return "hugepage" if self._huge_pages else "torch"
 
     def __enter__(self) -> Offloader:
         self._activate(Scope(("step", next(self._steps))))
@@ -311,8 +276,6 @@ class Offloader:
                     e.error = RuntimeError("ssdtrain: this saved tensor was on storage when its Offloader was "
                                            "closed; run backward before close()")
         self._finalizer()
-        if self._huge_pages:
-            _hostalloc.trim()  # Note [reuse freed blocks]: kept for a next forward that will not come
 
     # -- activation -------------------------------------------------------------------------
     def _activate(self, scope: Scope) -> None:
@@ -327,18 +290,6 @@ class Offloader:
             # still in forward are written after all (Note [the last save waits]).
             self._release_held([s for s in self._scopes.values() if not s.backward_started])
             self._scopes[scope.id] = scope
-        if self._huge_pages:
-            try:
-                _hostalloc.use()  # Note [written tensors on huge pages]
-            except _hostalloc.Unavailable as e:
-                if self.config.host_allocator == "hugepage":
-                    with self._lock:
-                        del self._scopes[scope.id]
-                    raise RuntimeError(f"host_allocator='hugepage': {e}") from None
-                log.info("ssdtrain: torch's CPU allocator stays in place: %s", e)
-                self._huge_pages, self.host_allocator_reason = False, str(e)
-            else:
-                scope.huge_pages = True  # type: ignore[attr-defined]
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()
         self._scope_stack.append(scope)
@@ -347,8 +298,6 @@ class Offloader:
     def _deactivate(self, *, raise_errors: bool) -> None:
         scope = self._scope_stack.pop()
         scope.hooks.__exit__(None, None, None)  # type: ignore[attr-defined]
-        if getattr(scope, "huge_pages", False):
-            _hostalloc.release()
         self._pump()
         if self._endurance is not None:  # once per step or micro-batch: it stats the drives
             msg = self._endurance.check()
@@ -570,19 +519,11 @@ class Offloader:
         if self._late_extents:
             self._free_late()
             return
-        if self._backend.needs_poll():
-            self._lock.release()
-            try:
-                self._backend.wait_any()
-            finally:
-                self._lock.acquire()
-            return
         # Late frees are queued by their callbacks without the lock, so without a notification.
         self._cond.wait(timeout=0.01 if self._late_frees else 1.0)
 
     # -- safe points -----------------------------------------------------------------------------
     def _safe_point(self, *, raise_errors: bool) -> None:
-        self._backend.poll()
         if self._graveyard or self._completed or self._late_extents:
             self._drain()
         if self._warnings:

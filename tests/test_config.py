@@ -59,11 +59,6 @@ def test_environment_defaults_and_explicit_wins(monkeypatch, tmp_path):
     cfg = OffloadConfig()
     assert cfg.io_threads == 3 and cfg.paths == (f"{tmp_path}/x", f"{tmp_path}/y") and cfg.direct_io is False
     assert OffloadConfig(io_threads=5).io_threads == 5
-    monkeypatch.setenv("SSDTRAIN_HOST_ALLOCATOR", "torch")
-    assert OffloadConfig().host_allocator == "torch" and OffloadConfig(host_allocator="auto").host_allocator == "auto"
-    monkeypatch.setenv("SSDTRAIN_HOST_ALLOCATOR", "huge")
-    with pytest.raises(ValueError, match="host_allocator='huge' is not one of 'auto', 'hugepage', 'torch'"):
-        OffloadConfig()
     monkeypatch.setenv("SSDTRAIN_DIRECT_IO", "maybe")
     with pytest.raises(ValueError, match="SSDTRAIN_DIRECT_IO"):
         OffloadConfig()

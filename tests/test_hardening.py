@@ -14,7 +14,6 @@ from torch import nn
 
 import ssdtrain
 import ssdtrain.store.posix as posix
-from ssdtrain.store import _uring as uring
 from ssdtrain import StorageError
 
 from _equiv import assert_same, step
@@ -97,38 +96,17 @@ def _inject(monkeypatch, name, fail):
 CHUNKS = ["8MiB", "4KiB"]
 
 
-def _inject_ring(monkeypatch, op, fail, kind):
-    """The ring's seam: completions of ``op`` that ``fail`` picks report EIO, or no bytes."""
-    calls = {"n": 0}
-
-    def result(o, res, length):
-        if o == op:
-            calls["n"] += 1
-            if fail(calls["n"]):
-                return -errno.EIO if kind == "eio" else 0
-        return res
-
-    monkeypatch.setattr(posix, "_ring_result", result)
-
-
-def _inject_io(monkeypatch, engine, what, fail, kind):
-    """Makes the requests that ``fail`` picks (by count) fail, on the thread or the ring path."""
-    monkeypatch.setenv("SSDTRAIN_IO_ENGINE", engine)
-    if engine == "uring":
-        if not uring.available():
-            pytest.skip(f"io_uring is not usable here: {uring.unavailable_reason()}")
-        _inject_ring(monkeypatch, uring.OP_WRITE if what == "write" else uring.OP_READ, fail, kind)
-        return
+def _inject_io(monkeypatch, what, fail, kind):
+    """Makes the requests that ``fail`` picks (by count) fail."""
     name = "_pwrite" if what == "write" else "_preadv"
     result = _inject(monkeypatch, name, fail)
     result[name] = OSError(errno.EIO, "Input/output error") if kind == "eio" else 0
 
 
-@pytest.mark.parametrize("engine", ["threads", "uring"])
 @pytest.mark.parametrize("chunk", CHUNKS)
 @pytest.mark.parametrize("kind", ["eio", "short"])
-def test_write_errors_follow_the_policy(off_dir, monkeypatch, kind, chunk, engine):
-    _inject_io(monkeypatch, engine, "write", lambda n: n % 3 == 0, kind)
+def test_write_errors_follow_the_policy(off_dir, monkeypatch, kind, chunk):
+    _inject_io(monkeypatch, "write", lambda n: n % 3 == 0, kind)
     model = _model()
     x = torch.randn(64, 256)
     base = step(model, lambda: model(x).sum(), None)
@@ -143,11 +121,10 @@ def test_write_errors_follow_the_policy(off_dir, monkeypatch, kind, chunk, engin
     strict.close()
 
 
-@pytest.mark.parametrize("engine", ["threads", "uring"])
 @pytest.mark.parametrize("chunk", CHUNKS)
 @pytest.mark.parametrize("kind", ["eio", "short"])
-def test_read_errors_never_return_garbage(off_dir, monkeypatch, kind, chunk, engine):
-    _inject_io(monkeypatch, engine, "read", lambda n: n == 2, kind)
+def test_read_errors_never_return_garbage(off_dir, monkeypatch, kind, chunk):
+    _inject_io(monkeypatch, "read", lambda n: n == 2, kind)
     model = _model()
     x = torch.randn(64, 256)
     off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, chunk_bytes=chunk)

@@ -75,7 +75,7 @@ def _counting(monkeypatch, backend):
 @pytest.mark.parametrize("direct", [True, False])
 @pytest.mark.parametrize("verify", [False, True])
 def test_a_direct_request_is_one_task_and_buffered_ones_a_task_per_chunk(off_dir, monkeypatch, direct, verify):
-    cfg = OffloadConfig(path=str(off_dir), chunk_bytes="1MiB", io_threads=2, direct_io=direct, io_engine="threads")
+    cfg = OffloadConfig(path=str(off_dir), chunk_bytes="1MiB", io_threads=2, direct_io=direct)
     backend = PosixBackend(cfg)
     if direct and not backend.direct:
         backend.close()

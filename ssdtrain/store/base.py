@@ -90,19 +90,6 @@ class Backend(abc.ABC):
         may lay it out so that the read lands in place (direct I/O without a copy)."""
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
-    def poll(self) -> None:
-        """Completes the futures of I/O that has finished, for backends whose I/O no thread of
-        their own completes (io_uring: Note [I/O without threads]); a no-op otherwise. The engine
-        calls it at its safe points, never while holding its lock (callbacks run in here)."""
-
-    def needs_poll(self) -> bool:
-        """True while I/O that only :meth:`poll` or :meth:`wait_any` completes is in flight."""
-        return False
-
-    def wait_any(self) -> None:
-        """Blocks until some I/O that :meth:`poll` completes has finished, and completes it;
-        returns at once when there is none in flight."""
-
     def written_bytes_by_path(self) -> dict[str, int]:
         return {}
 

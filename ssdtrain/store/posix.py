@@ -8,9 +8,7 @@ order by one I/O thread when they go direct from host memory and in parallel whe
 memory pages and the drive (Note [zero-copy direct I/O] in ``_hostbuf.py``), reads land in
 reusable buffers (Note [reuse reload memory]), and CUDA tensors pass through a page-aligned
 staging buffer of the I/O thread. Freed space is punched only once it has stayed free for a while
-(Note [trim what stays free] in ``allocator.py``). With ``io_engine="uring"``, O_DIRECT host
-requests skip the threads: they go through io_uring from the calling thread and complete when
-the engine polls (Note [I/O without threads] in ``_uring.py``, Note [a shallow ring] below).
+(Note [trim what stays free] in ``allocator.py``).
 """
 
 from __future__ import annotations
@@ -21,9 +19,7 @@ import logging
 import mmap
 import os
 import threading
-import time
 import zlib
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable
 
@@ -31,7 +27,7 @@ import torch
 
 from ssdtrain import device
 from ssdtrain.config import OffloadConfig
-from ssdtrain.store import _fs, _uring
+from ssdtrain.store import _fs
 from ssdtrain.store._arena import Arena, ArenaBackend, private_name
 from ssdtrain.store._hostbuf import HostMapping, lead_of, raw_view, windows
 from ssdtrain.store._mem import capacity, gather, profiled
@@ -42,11 +38,6 @@ log = logging.getLogger(__name__)
 # Seams for fault-injection tests (a full drive, EIO, short transfers): tests replace these.
 _pwrite = os.pwrite
 _preadv = os.preadv
-
-
-def _ring_result(op: int, res: int, length: int) -> int:
-    """What a ring completion reports (a byte count or ``-errno``); a seam like the two above."""
-    return res
 
 
 def prepare_dir(path: str, *, create: bool) -> None:
@@ -169,128 +160,6 @@ class PosixBackend(ArenaBackend):
         self.cfg = cfg
         self.chunk = cfg.chunk_bytes
         self._open_arenas(cfg.paths, lambda i, p: _Arena(i, p, cfg))
-        self._ring = None
-        self._backlog_lock = threading.Lock()
-        self._backlog = {_uring.OP_READ: deque(), _uring.OP_WRITE: deque()}
-        self._in_ring = {_uring.OP_READ: 0, _uring.OP_WRITE: 0}
-        self._ring_depth = 2 * cfg.io_threads * len(cfg.paths)  # windows per direction
-        try:
-            self._ring = self._open_ring(cfg.io_engine)
-        except BaseException:
-            self.close()
-            raise
-
-    def _open_ring(self, engine: str) -> _uring.Ring | None:
-        """Note [I/O without threads] in ``_uring.py``: O_DIRECT host I/O through io_uring."""
-        if engine == "threads":
-            return None
-        direct = any(a.direct for a in self._arenas)
-        reason = None if direct else "the offload path is not opened with O_DIRECT (direct_io=False, or " \
-                                     "its filesystem refuses it)"
-        reason = reason or _uring.unavailable_reason()
-        ring = None
-        if reason is None:
-            try:
-                ring = _uring.Ring(256, self._ring_done)
-            except OSError as e:
-                reason = f"io_uring_setup failed: {e.strerror or e}"
-        if reason is not None:
-            if engine == "uring":
-                raise ValueError(f"io_engine='uring' cannot be used: {reason}; set io_engine='auto' or 'threads'")
-            log.info("ssdtrain: posix backend uses I/O threads (%s)", reason)
-        return ring
-
-    def close(self) -> None:
-        ring, self._ring = getattr(self, "_ring", None), None
-        if ring is not None:
-            ring.close()  # waits for what is in flight, completing its futures
-        super().close()
-
-    # -- the ring (Note [I/O without threads]) ---------------------------------------------------
-    def _on_ring(self, arena: _Arena, t: torch.Tensor, checksum) -> bool:
-        """Direct host I/O without checksums goes on the ring; ``checksum`` is a write's flag, or
-        a read's record (a list with ``None`` per window when nothing was checksummed)."""
-        if isinstance(checksum, list):
-            checksum = any(c is not None for c in checksum)
-        return self._ring is not None and arena.direct and not device.is_cuda(t) and not checksum
-
-    def _ring_submit(self, what: str, arena: _Arena, t: torch.Tensor, base: int, lead: int, nbytes: int,
-                     ready) -> Future:
-        wins = list(self._windows(arena, Extent(arena.index, base, nbytes, 0), lead))
-        fut = _RingFuture(self._ring)
-        req = _RingRequest(fut, arena, t, what, len(wins))
-        if ready is not None:
-            ready()
-        op = _uring.OP_WRITE if what == "write" else _uring.OP_READ
-        addr = t.data_ptr() - lead
-        with self._backlog_lock:
-            self._backlog[op].extend(_RingWindow(req, op, addr + w0, wn, base + w0, p1 - p0)
-                                     for w0, wn, p0, p1 in wins)
-        self._ring_pump(op)
-        return fut
-
-    def _ring_pump(self, op: int) -> None:
-        """Note [a shallow ring]: windows go to the kernel in order, at most ``_ring_depth`` of a
-        direction at a time. Reads all issued at once share the drive, so the one backward needs
-        next would finish only with the last read-ahead; in order, it finishes first. The depth
-        covers the gaps between the polls that refill it (the engine's hooks)."""
-        while True:
-            with self._backlog_lock:
-                if not self._backlog[op] or self._in_ring[op] >= self._ring_depth:
-                    return
-                w = self._backlog[op].popleft()
-                self._in_ring[op] += 1
-            try:
-                # On the ring a transfer has no thread to time it: the range marks its submission.
-                with profiled("ssdtrain.write" if op == _uring.OP_WRITE else "ssdtrain.read"):
-                    self._ring_send(w)
-            except OSError as e:  # the kernel refused it: this window fails, like a failed transfer
-                self._ring_done(w, -(e.errno or errno.EIO))
-
-    def _ring_send(self, w: _RingWindow) -> None:
-        self._ring.submit([(w.op, w.request.arena.fd_direct, w.address, w.length, w.offset, w)])
-
-    def _ring_done(self, w: _RingWindow, res: int) -> None:
-        """A window finished (on the thread that polled the ring)."""
-        req = w.request
-        res = _ring_result(w.op, res, w.length)
-        err = None
-        if 0 < res < w.length:  # short: the rest of the window goes again
-            w.address, w.length, w.offset = w.address + res, w.length - res, w.offset + res
-            try:
-                self._ring_send(w)
-                return
-            except OSError as e:
-                err = e
-        elif res == 0:
-            err = OSError(errno.EIO, "short write: the drive accepted no bytes" if w.op == _uring.OP_WRITE
-                          else "short read: end of file")
-        elif res < 0:
-            err = OSError(-res, os.strerror(-res))
-        with self._backlog_lock:
-            self._in_ring[w.op] -= 1
-        if err is not None and req.error is None:
-            req.error = req.arena.error(req.what, w.payload, w.offset, err)
-        req.left -= 1
-        if req.left == 0:
-            req.tensor = None
-            if req.error is not None:
-                req.future.set_exception(req.error)
-            else:
-                req.future.set_result([None] * req.windows)
-        self._ring_pump(w.op)
-
-    def poll(self) -> None:
-        if self._ring is not None:
-            self._ring.poll()
-
-    def needs_poll(self) -> bool:
-        ring = self._ring
-        return ring is not None and (ring.in_flight > 0 or ring.has_ready())
-
-    def wait_any(self) -> None:
-        if self._ring is not None:
-            self._ring.wait()
 
     # -- I/O ---------------------------------------------------------------------------------
     def _windows(self, arena: _Arena, extent: Extent, lead: int):
@@ -319,14 +188,6 @@ class PosixBackend(ArenaBackend):
         with arena.lock:
             arena.queued += extent.nbytes
             arena.leads[extent.offset] = lead
-        if self._on_ring(arena, src, checksum):
-            try:
-                out = self._ring_submit("write", arena, src, extent.offset, lead, extent.nbytes, ready)
-            except BaseException:
-                self._settle(arena, extent.nbytes, written=False)
-                raise
-            out.add_done_callback(lambda f: self._settle(arena, extent.nbytes, written=f.exception() is None))
-            return out
         ready_once = _Once(ready) if ready is not None else None
         futures = [arena.pool.submit(self._write_chunks, arena, src, extent.offset, lead, g, checksum, ready_once)
                    for g in self._groups(arena, extent, lead, device.is_cuda(src))]
@@ -369,10 +230,6 @@ class PosixBackend(ArenaBackend):
         in_place = not device.is_cuda(dst) and (not arena.direct or (
             lead_of(dst) == lead and dst.storage_offset() * dst.element_size() >= lead
             and capacity(dst) >= align_up(lead + extent.nbytes) - lead))
-        if in_place and self._on_ring(arena, dst, checksum):
-            out = self._ring_submit("read", arena, dst, extent.offset, lead, extent.nbytes, ready)
-            self._count_read(arena, out, extent.nbytes)
-            return out
         ready_once = _Once(ready) if ready is not None else None
         crcs = checksum  # one per window, in order
         futures, first = [], 0
@@ -424,56 +281,6 @@ class PosixBackend(ArenaBackend):
     @property
     def direct(self) -> bool:
         return all(a.direct for a in self._arenas)
-
-
-class _RingFuture(Future):
-    """A future that the ring completes: waiting on it polls the ring, so it needs no thread."""
-
-    def __init__(self, ring: _uring.Ring) -> None:
-        super().__init__()
-        self._ring = ring
-        self.set_running_or_notify_cancel()
-
-    def _drive(self, timeout: float | None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.done():
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return
-            # Untimed, block in the ring; timed, only poll it, so that the deadline holds.
-            if self._ring.wait() if left is None else self._ring.poll():
-                continue
-            # Nothing came: another thread reaped it and runs its callbacks now, or it was never
-            # submitted (then the ring is empty). Wait on the future itself, briefly.
-            try:
-                super().exception(timeout=0.01 if left is None else min(left, 0.001))
-            except TimeoutError:
-                pass
-
-    def result(self, timeout: float | None = None):
-        self._drive(timeout)
-        return super().result(timeout=0 if timeout is not None else None)
-
-    def exception(self, timeout: float | None = None):
-        self._drive(timeout)
-        return super().exception(timeout=0 if timeout is not None else None)
-
-
-class _RingRequest:
-    __slots__ = ("future", "arena", "tensor", "what", "windows", "left", "error")
-
-    def __init__(self, future: Future, arena: _Arena, tensor: torch.Tensor, what: str, windows: int) -> None:
-        self.future, self.arena, self.tensor, self.what = future, arena, tensor, what
-        self.windows = self.left = windows
-        self.error: BaseException | None = None
-
-
-class _RingWindow:
-    __slots__ = ("request", "op", "address", "length", "offset", "payload")
-
-    def __init__(self, request: _RingRequest, op: int, address: int, length: int, offset: int, payload: int) -> None:
-        self.request, self.op, self.address, self.length, self.offset, self.payload = (
-            request, op, address, length, offset, payload)
 
 
 class _Once:
