@@ -1,6 +1,8 @@
 """Note [nothing left on disk]: private, unlinked arenas; close(), GC and SIGKILL leave nothing."""
 
+import errno
 import gc
+import json
 import os
 import signal
 import stat
@@ -49,7 +51,30 @@ def test_arena_is_private_and_unlinked(off_dir):
     assert list(off_dir.iterdir()) == []
 
 
-def test_private_dir_is_created_0700(off_dir, monkeypatch):
+@pytest.fixture
+def no_tmpfile(monkeypatch):
+    """A filesystem without O_TMPFILE: the arena falls back to a private directory."""
+    real = os.open
+
+    def fake(path, flags, *args, **kwargs):
+        if hasattr(os, "O_TMPFILE") and flags & os.O_TMPFILE == os.O_TMPFILE:
+            raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+        return real(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(_arena.os, "open", fake)
+
+
+def test_arena_file_never_has_a_name(off_dir, monkeypatch):
+    if not hasattr(os, "O_TMPFILE"):
+        pytest.skip("no O_TMPFILE on this platform")
+    made = []
+    real = os.mkdir
+    monkeypatch.setattr(_arena.os, "mkdir", lambda p, mode=0o777: (made.append(p), real(p, mode))[1])
+    ssdtrain.Offloader(path=str(off_dir)).close()
+    assert made == []  # no private directory, no file name: O_TMPFILE
+
+
+def test_private_dir_is_created_0700(off_dir, monkeypatch, no_tmpfile):
     modes = []
     real = os.mkdir
     monkeypatch.setattr(_arena.os, "mkdir", lambda p, mode=0o777: (modes.append(mode), real(p, mode))[1])
@@ -57,8 +82,24 @@ def test_private_dir_is_created_0700(off_dir, monkeypatch):
     assert modes == [0o700]
 
 
+@pytest.mark.parametrize("tmpfile", [True, False])
+def test_nothing_is_named_during_the_direct_io_test_write(off_dir, monkeypatch, request, tmpfile):
+    # The O_DIRECT test write is the slow step of construction (it reaches the drive): a
+    # SIGKILL there must find nothing to leave behind, with or without O_TMPFILE.
+    if not tmpfile:
+        request.getfixturevalue("no_tmpfile")
+    import ssdtrain.store.posix as posix
+
+    seen = []
+    real = os.pwrite
+    monkeypatch.setattr(posix.os, "pwrite", lambda *a: (seen.append(os.listdir(off_dir)), real(*a))[1])
+    ssdtrain.Offloader(path=str(off_dir), backend="posix").close()
+    assert seen and seen == [[]] * len(seen)
+    assert list(off_dir.iterdir()) == []
+
+
 @pytest.mark.parametrize("kind", ["symlink", "file"])
-def test_existing_name_is_refused_not_followed(off_dir, tmp_path, monkeypatch, kind):
+def test_existing_name_is_refused_not_followed(off_dir, tmp_path, monkeypatch, no_tmpfile, kind):
     monkeypatch.setattr(_arena.secrets, "token_hex", lambda n: "fixed")
     name = off_dir / f"ssdtrain-{os.getpid()}-fixed"
     elsewhere = tmp_path / "elsewhere"
@@ -145,6 +186,43 @@ def test_sigkill_leaves_nothing(off_dir, when):
         proc.stdout.close()
     assert proc.returncode == -signal.SIGKILL
     assert list(off_dir.iterdir()) == []  # no directory, no file, no bytes
+
+
+_CONSTRUCTING = textwrap.dedent("""
+    import json, os, random, shutil, signal, sys, time
+    import ssdtrain
+    d, trials = sys.argv[1], int(sys.argv[2])
+    ssdtrain.Offloader(path=d, backend="posix").close()  # imports done before the first fork
+    rng = random.Random(int(sys.argv[3]))
+    left = []
+    for trial in range(trials):
+        pid = os.fork()
+        if pid == 0:  # constructs and closes offloaders until it is killed
+            try:
+                while True:
+                    ssdtrain.Offloader(path=d, backend="posix").close()
+            finally:
+                os._exit(1)
+        time.sleep(rng.uniform(0.002, 0.03))
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        names = os.listdir(d)
+        if names:
+            left.append(names)
+            for n in names:
+                shutil.rmtree(os.path.join(d, n), ignore_errors=True)
+    print(json.dumps(left), flush=True)
+""")
+
+
+def test_sigkill_while_constructing_leaves_nothing(off_dir):
+    # Killed at a random moment of constructing or closing an Offloader (direct_io auto: the
+    # O_DIRECT test write included), 50 times: nothing may stay under the path.
+    out = subprocess.run([sys.executable, "-c", _CONSTRUCTING, str(off_dir), "50", str(os.getpid())],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == []
+    assert list(off_dir.iterdir()) == []
 
 
 def test_the_model_does_not_keep_the_offloader_alive(off_dir):

@@ -73,6 +73,44 @@ def test_full_drive_raise(small_drive):
     assert [p.name for p in small_drive.iterdir()] == ["lost+found"]
 
 
+def _fill(directory):
+    """Writes a file until the filesystem holding ``directory`` has no byte left."""
+    with open(os.path.join(directory, "filler"), "wb", buffering=0) as f:
+        for size in (1 << 20, 4096, 1):
+            try:
+                while True:
+                    f.write(b"\0" * size)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC, e
+
+
+@pytest.mark.parametrize("direct_io", [None, True])
+def test_full_drive_at_construction_says_so(small_drive, direct_io):
+    _fill(small_drive)
+    with pytest.raises(StorageError) as info:
+        ssdtrain.Offloader(path=str(small_drive), direct_io=direct_io)
+    msg = str(info.value)
+    assert info.value.errno == errno.ENOSPC
+    assert str(small_drive) in msg and "is full" in msg and "bytes free" in msg
+    assert "O_DIRECT" not in msg  # the filesystem is not to blame
+    assert sorted(p.name for p in small_drive.iterdir()) == ["filler", "lost+found"]
+
+
+@pytest.mark.parametrize("direct_io", [None, True])
+def test_full_drive_in_the_direct_io_test_write_is_not_blamed_on_the_filesystem(off_dir, monkeypatch, direct_io):
+    # Room for the file, none for its first block: the O_DIRECT test write is what fails.
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(posix.os, "pwrite", full)
+    with pytest.raises(StorageError) as info:
+        ssdtrain.Offloader(path=str(off_dir), direct_io=direct_io)
+    msg = str(info.value)
+    assert info.value.errno == errno.ENOSPC and "is full" in msg and "bytes free" in msg
+    assert "O_DIRECT" not in msg
+    assert list(off_dir.iterdir()) == []
+
+
 def _inject(monkeypatch, name, fail):
     real = getattr(posix, name)
     calls = {"n": 0}
@@ -140,8 +178,9 @@ def test_read_errors_never_return_garbage(off_dir, monkeypatch, kind, chunk):
 def test_flipped_byte_is_detected(off_dir):
     model = _model()
     x = torch.randn(64, 256)
-    # No read-ahead: reads happen in backward, after the byte is flipped.
-    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, verify=True, prefetch_bytes=0)
+    # No read-ahead: reads happen in backward, after the byte is flipped; when_full="wait": every
+    # tensor goes to the drive, none is kept in memory for lack of room in flight.
+    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, verify=True, prefetch_bytes=0, when_full="wait")
     base = step(model, lambda: model(x).sum(), None)
     assert_same(base, step(model, lambda: model(x).sum(), off, wait=True))  # clean bytes pass
     with off:

@@ -112,3 +112,38 @@ def test_a_read_into_foreign_memory_goes_through_staging(off_dir, verify):
     assert int(room[:7].sum()) == 0 and int(room[7 + src.numel():].sum()) == 0  # nothing around it touched
     backend.free(extent)
     backend.close()
+
+
+def test_cuda_tensors_stage_in_page_aligned_pinned_memory(monkeypatch):
+    # Note [pinned staging for CUDA tensors]: the CUDA branch itself needs a GPU; here a stand-in
+    # for torch's pinned allocator hands out memory 64 bytes past a page, as it is allowed to.
+    import threading
+
+    import ssdtrain.store.posix as posix
+
+    asked = []
+
+    def pinned_empty(n):
+        asked.append(n)
+        block = torch.zeros(n + 8192, dtype=torch.uint8)
+        start = -block.data_ptr() % 4096 + 64
+        return block[start:start + n]
+
+    monkeypatch.setattr(posix.device, "pinned_empty", pinned_empty)
+    out = {}
+
+    def on_an_io_thread():
+        out["pinned"] = posix._staging(10_000, pinned=True)
+        out["again"] = posix._staging(5_000, pinned=True)
+        out["pageable"] = posix._staging(10_000)
+
+    t = threading.Thread(target=on_an_io_thread)
+    t.start()
+    t.join()
+    mv, staged = out["pinned"]
+    assert asked == [12288 + 4096]  # a page of slack to find the boundary in
+    assert staged.data_ptr() % 4096 == 0 and staged.numel() == len(mv) == 12288
+    assert out["again"][1] is staged  # one per thread, reused
+    assert out["pageable"][1].data_ptr() != staged.data_ptr()  # host tensors keep their own
+    mv[:4] = b"abcd"  # the memoryview is the tensor's memory
+    assert bytes(staged[:4].tolist()) == b"abcd"

@@ -8,6 +8,7 @@ An arena is one unlinked file on one path with its allocator. A backend built on
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import secrets
@@ -42,14 +43,48 @@ class Arena:
         self.written = 0
         self.read = 0
         self.trimming = False
+        self.created: list[str] = []  # directories made for ``path`` (removed if opening fails)
+
+    def forget(self) -> None:
+        """In a forked child: closes this process's copies of the arena's descriptors without
+        waiting for anything (Note [an offloader does not cross a fork] in ``base.py``).
+        Backends whose file is not a plain descriptor of theirs keep the default: nothing."""
 
 
 # Note [nothing left on disk]
-# The arena is reachable only through our file descriptors: the directory and the file are
-# removed right after opening. A process killed with SIGKILL leaves nothing to clean up (the
-# kernel frees the blocks when the last descriptor closes), two offloaders or processes can never
-# open each other's arena, and the private directory (0700, O_EXCL file 0600) is never followed
-# through a symlink: mkdir refuses any existing name.
+# The arena is reachable only through our file descriptors. Where the filesystem allows it
+# (Linux >= 3.11: ext4, xfs, btrfs, tmpfs, ...) it is an O_TMPFILE file: it never has a name, so
+# nothing is visible under ``path`` at any moment, even to a SIGKILL between two syscalls, and
+# O_EXCL keeps it from ever being linked in. Elsewhere it is created O_EXCL, 0600, in a fresh
+# private directory (0700) and both are removed right after opening, before anything slow (the
+# O_DIRECT test write): only a kill between those few syscalls can leave the empty pair behind.
+# Either way the kernel frees the blocks when the last descriptor closes, two offloaders or
+# processes can never open each other's arena, and nothing is followed through a symlink (mkdir
+# refuses any existing name). A second descriptor (O_DIRECT) is opened through
+# ``/proc/self/fd``, never through a name.
+_NO_TMPFILE = frozenset({errno.EOPNOTSUPP, errno.ENOTSUP, errno.EISDIR, errno.EINVAL, errno.ENOSYS})
+
+
+def open_unnamed(path: str) -> int:
+    """A new, empty file on ``path``'s filesystem that no name leads to (Note [nothing left on
+    disk]): read-write, mode 0600, close-on-exec.
+
+    Raises:
+        OSError: the file cannot be created (no permission, no space, read-only filesystem).
+        ValueError: the fallback's private directory exists already or cannot be made.
+    """
+    flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0)
+    o_tmpfile = getattr(os, "O_TMPFILE", 0)
+    if o_tmpfile:
+        try:
+            return os.open(path, o_tmpfile | os.O_EXCL | flags, 0o600)
+        except OSError as e:
+            if e.errno not in _NO_TMPFILE:
+                raise
+    with private_name(path) as name:
+        return os.open(name, flags | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+
+
 @contextlib.contextmanager
 def private_name(path: str) -> Iterator[str]:
     """A fresh file name in a new private directory under ``path``; both are gone on exit."""
@@ -79,6 +114,7 @@ class ArenaBackend(Backend):
         self._pool = HostBufferPool(pool_bytes)
         self._place_lock = threading.Lock()
         self._closed = False
+        self._watch_fork()
 
     def _open_arenas(self, paths: tuple[str, ...], make: Callable[[int, str], object]) -> None:
         """Opens one arena per path (closing those opened if one fails), then warns about RAM."""
@@ -87,16 +123,30 @@ class ArenaBackend(Backend):
                 self._arenas.append(make(i, p))
         except BaseException:
             self.close()
+            # A refused path leaves no directory that this call made (an arena that failed
+            # removed its own).
+            for a in reversed(self._arenas):
+                _fs.remove_dirs(a.created)
             raise
         self._warn_ram_backed()
 
+    def _after_fork_in_child(self) -> None:
+        super()._after_fork_in_child()
+        for a in self._arenas:
+            try:
+                a.forget()
+            except OSError:  # our copy of a descriptor: nothing is left to do about it here
+                pass
+
     def close(self) -> None:
-        """Waits for I/O in flight (each arena's pools) and closes the files; idempotent."""
+        """Waits for I/O in flight (each arena's pools) and closes the files; idempotent. In a
+        forked child it only marks the backend closed (the files were closed at the fork)."""
         if self._closed:
             return
         self._closed = True
-        for a in self._arenas:
-            a.close()
+        if not self._forked:
+            for a in self._arenas:
+                a.close()
         self._pool.close()
 
     def _warn_ram_backed(self) -> None:
@@ -106,6 +156,7 @@ class ArenaBackend(Backend):
                             a.path, _fs.fs_type(a.path))
 
     def allocate(self, nbytes: int) -> Extent:
+        self._check_process()
         with self._place_lock:
             # Stripe by load: the path with the fewest bytes waiting gets the next extent.
             arena = min(self._arenas, key=lambda a: (a.queued, a.alloc.used_bytes))
@@ -115,6 +166,7 @@ class ArenaBackend(Backend):
         return Extent(arena.index, offset, nbytes, length)
 
     def free(self, extent: Extent) -> None:
+        self._check_process()
         arena = self._arenas[extent.path_index]
         with arena.lock:
             arena.leads.pop(extent.offset, None)
@@ -148,6 +200,7 @@ class ArenaBackend(Backend):
     def alloc_buffer(self, nbytes: int, device: torch.device, extent: Extent | None = None) -> torch.Tensor:
         """A reload buffer; given the extent it will receive, one that the read fills in place
         (reused memory, Note [reuse reload memory]); a plain one for a GPU."""
+        self._check_process()
         if device.type != "cpu":
             return torch.empty(nbytes, dtype=torch.uint8, device=device)
         return self._pool.take(nbytes, 0 if extent is None else self._lead(extent))

@@ -23,6 +23,8 @@ __all__ = [
     "free_bytes",
     "total_bytes",
     "aligned_buffer",
+    "make_dirs",
+    "remove_dirs",
     "RAM_FS",
     "NETWORK_FS",
 ]
@@ -197,6 +199,51 @@ def direct_io_supported(directory: str | os.PathLike, block: int = 4096) -> bool
         try:
             os.unlink(name)
         except FileNotFoundError:
+            pass
+
+
+def make_dirs(path: str) -> list[str]:
+    """Creates ``path`` and its missing parents, each with mode 0700 whatever the umask (a
+    umask only removes bits; ``os.makedirs`` leaves parents to the umask: 0777 under ``umask
+    000``). Nothing created survives a failure.
+
+    Returns:
+        The directories created, parents first (for :func:`remove_dirs` if a later step fails).
+
+    Raises:
+        OSError: a level cannot be created (after removing the levels this call created).
+    """
+    missing = []
+    p = os.path.abspath(path)
+    while not os.path.isdir(p):
+        missing.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    created: list[str] = []
+    try:
+        for d in reversed(missing):
+            try:
+                os.mkdir(d, 0o700)
+            except FileExistsError:
+                if not os.path.isdir(d):
+                    raise
+                continue  # made meanwhile by someone else: theirs, not ours to remove
+            created.append(d)
+    except BaseException:
+        remove_dirs(created)
+        raise
+    return created
+
+
+def remove_dirs(created: list[str]) -> None:
+    """Removes directories listed parents first by :func:`make_dirs`, deepest first; leaves any
+    that is no longer empty."""
+    for d in reversed(created):
+        try:
+            os.rmdir(d)
+        except OSError:
             pass
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import os
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -43,10 +45,57 @@ class Extent:
     length: int
 
 
+# Note [an offloader does not cross a fork]
+# A forked child (a DataLoader worker, multiprocessing with "fork") inherits the arena
+# descriptors but none of the I/O threads. Kept open there, the descriptors hold the arena's
+# blocks on the drive for as long as the child lives, after the trainer closed or died; used
+# there, a write or read would queue work that no thread runs (a hang), and share the parent's
+# file offsets and extents. So in the child every live backend closes its copies of the
+# descriptors at once (without waiting for anything) and refuses every later call with a
+# RuntimeError that says what to do. The handler is registered with ``os.register_at_fork`` when
+# the first backend is made (import registers nothing) and reaches the backends through a
+# WeakSet: process-wide state, because a fork is.
+_live_backends: weakref.WeakSet = weakref.WeakSet()
+_fork_handler_registered = False
+
+
+def _after_fork_in_child() -> None:
+    for backend in list(_live_backends):
+        backend._after_fork_in_child()
+
+
 class Backend(abc.ABC):
-    """A store of extents. Thread-safe: the engine calls it from the main and I/O threads."""
+    """A store of extents. Thread-safe: the engine calls it from the main and I/O threads.
+
+    A backend belongs to the process that made it: in a forked child every method but
+    :meth:`close` raises ``RuntimeError`` (Note [an offloader does not cross a fork]).
+    """
 
     name: str = "?"
+    _owner_pid: int | None = None
+    _forked = False
+
+    def _watch_fork(self) -> None:
+        """Called by a backend's ``__init__``: it is cut off in forked children from now on."""
+        global _fork_handler_registered
+        self._owner_pid = os.getpid()
+        _live_backends.add(self)
+        if not _fork_handler_registered and hasattr(os, "register_at_fork"):
+            _fork_handler_registered = True
+            os.register_at_fork(after_in_child=_after_fork_in_child)
+
+    def _after_fork_in_child(self) -> None:
+        """Runs in the child right after a fork (one thread, must not block): closes this
+        process's copies of files and marks the backend unusable. Subclasses extend it."""
+        self._forked = True
+
+    def _check_process(self) -> None:
+        """Raises ``RuntimeError`` in a forked child."""
+        if self._forked:
+            raise RuntimeError(
+                f"ssdtrain: this Offloader was created in process {self._owner_pid} and cannot be used in a "
+                f"forked child (process {os.getpid()}): its I/O threads do not exist here and its files were "
+                "closed at the fork. Create a new Offloader in the child (or use the 'spawn' start method)")
 
     @abc.abstractmethod
     def allocate(self, nbytes: int) -> Extent:

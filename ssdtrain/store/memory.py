@@ -29,16 +29,21 @@ class MemoryBackend(Backend):
         self._pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="ssdtrain-mem")
         self._written = 0
         self._closed = False
+        self._watch_fork()  # no threads in a forked child (Note [an offloader does not cross a fork])
 
     def allocate(self, nbytes: int) -> Extent:
+        self._check_process()
         return Extent(0, next(self._ids), nbytes, nbytes)
 
     def free(self, extent: Extent) -> None:
+        self._check_process()
         with self._lock:
             self._blobs.pop(extent.offset, None)
 
     def submit_write(self, extent: Extent, src: torch.Tensor, *, checksum: bool = False,
                      ready: Callable[[], None] | None = None) -> Future:
+        self._check_process()
+
         def work() -> int | None:
             if ready is not None:
                 ready()
@@ -56,6 +61,8 @@ class MemoryBackend(Backend):
 
     def submit_read(self, extent: Extent, dst: torch.Tensor, *, checksum: object = None,
                     ready: Callable[[], None] | None = None) -> Future:
+        self._check_process()
+
         def work() -> None:
             if ready is not None:
                 ready()
@@ -75,5 +82,5 @@ class MemoryBackend(Backend):
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown(wait=not self._forked)
             self._blobs.clear()

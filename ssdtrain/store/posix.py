@@ -1,14 +1,16 @@
 """POSIX files: ``pwrite``/``preadv`` on a thread pool per path, O_DIRECT where the filesystem allows.
 
-One arena file per path. It is created ``O_EXCL`` with mode 0600 inside a fresh private
-directory (0700), and both are unlinked right after opening (Note [nothing left on disk]).
+One arena file per path, mode 0600, that never has a name (``O_TMPFILE``; elsewhere created
+``O_EXCL`` in a fresh private directory, 0700, and both unlinked right after opening: Note
+[nothing left on disk]).
 Extents are 4 KiB aligned; tensors larger than ``chunk_bytes`` are split into requests, moved in
 order by one I/O thread when they go direct from host memory and in parallel when they copy
 (Note [one task per direct request]). With O_DIRECT, host tensors go straight between their own
 memory pages and the drive (Note [zero-copy direct I/O] in ``_hostbuf.py``), reads land in
-reusable buffers (Note [reuse reload memory]), and CUDA tensors pass through a page-aligned
-staging buffer of the I/O thread. Freed space is punched only once it has stayed free for a while
-(Note [trim what stays free] in ``allocator.py``).
+reusable buffers (Note [reuse reload memory]), and CUDA tensors pass through a page-aligned,
+pinned staging buffer of the I/O thread (Note [pinned staging for CUDA tensors]). Freed space is
+punched only once it has stayed free for a while (Note [trim what stays free] in
+``allocator.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 from ssdtrain import device
 from ssdtrain.config import OffloadConfig
 from ssdtrain.store import _fs
-from ssdtrain.store._arena import Arena, ArenaBackend, private_name
+from ssdtrain.store._arena import Arena, ArenaBackend, open_unnamed
 from ssdtrain.store._hostbuf import HostMapping, lead_of, raw_view, windows
 from ssdtrain.store._mem import capacity, gather, profiled
 from ssdtrain.store.base import ALIGN, ChecksumError, Extent, StorageError, align_up
@@ -40,20 +42,40 @@ _pwrite = os.pwrite
 _preadv = os.preadv
 
 
-def prepare_dir(path: str, *, create: bool) -> None:
-    """Checks (and maybe creates) an offload directory; raises ``ValueError`` saying what to do."""
+_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def prepare_dir(path: str, *, create: bool) -> list[str]:
+    """Checks (and maybe creates, 0700 at every level) an offload directory; raises
+    ``ValueError`` saying what to do, having removed whatever it created.
+
+    Returns:
+        The directories it created, parents first (to remove if opening the arena fails).
+    """
     if os.path.lexists(path) and not os.path.isdir(path):
         raise ValueError(f"path={path!r} is not a directory (it is a file); give a directory on the drive to use")
+    created: list[str] = []
     if not os.path.exists(path):
         if not create:
             raise ValueError(f"path={path!r} does not exist; create it or pass create_path=True")
         try:
-            os.makedirs(path, mode=0o700, exist_ok=True)
+            created = _fs.make_dirs(path)
         except OSError as e:
             raise ValueError(f"path={path!r} does not exist and cannot be created ({e.strerror}); "
                              "create it yourself or choose another directory") from e
     if not os.access(path, os.W_OK | os.X_OK):
+        _fs.remove_dirs(created)
         raise ValueError(f"path={path!r} is not writable by this process; choose a directory you can write to")
+    return created
+
+
+def _drive_full(path: str, e: OSError) -> StorageError:
+    try:
+        free = f"{_fs.free_bytes(path)} bytes free"
+    except OSError:
+        free = "free space unknown"
+    return StorageError(e.errno or errno.ENOSPC, f"the drive holding path={path!r} is full ({e.strerror}; {free}): "
+                        "free space on it or choose another path")
 
 
 class _Arena(Arena):
@@ -61,22 +83,35 @@ class _Arena(Arena):
 
     def __init__(self, index: int, path: str, cfg: OffloadConfig) -> None:
         super().__init__(index, path)
-        prepare_dir(path, create=cfg.create_path)
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-        with private_name(path) as name:  # Note [nothing left on disk]
-            self.fd = os.open(name, flags, 0o600)
-            self.fd_direct = self._open_direct(name, cfg.direct_io)
+        self.fd: int | None = None
+        self.fd_direct: int | None = None
+        self.created = prepare_dir(path, create=cfg.create_path)
+        try:
+            try:
+                self.fd = open_unnamed(path)  # Note [nothing left on disk]
+            except OSError as e:
+                if e.errno in _FULL:
+                    raise _drive_full(path, e) from e
+                raise ValueError(f"cannot create a file in path={path!r} ({e.strerror}); "
+                                 "choose a directory you can write to") from e
+            self.fd_direct = self._open_direct(cfg.direct_io)
+        except BaseException:
+            self.forget()
+            _fs.remove_dirs(self.created)
+            raise
         self.direct = self.fd_direct is not None
         # Reads have their own threads: backward waits on them, so they never queue behind writes.
         self.pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix=f"ssdtrain-io{index}")
         self.read_pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix=f"ssdtrain-io{index}r")
 
-    def _open_direct(self, name: str, want: bool | None) -> int | None:
+    def _open_direct(self, want: bool | None) -> int | None:
+        """A second descriptor of the arena with O_DIRECT, opened through ``/proc/self/fd`` (the
+        file has no name), once a test write shows that the filesystem takes direct I/O."""
         if want is False or not hasattr(os, "O_DIRECT"):
             return None
         reason = ""
         try:
-            fd = os.open(name, os.O_RDWR | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+            fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDWR | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
         except OSError as e:
             fd, reason = None, e.strerror
         if fd is not None:
@@ -85,11 +120,12 @@ class _Arena(Arena):
                 os.pwrite(fd, probe, 0)
             except OSError as e:
                 os.close(fd)
+                if e.errno in _FULL:  # a full drive, not a filesystem without O_DIRECT
+                    raise _drive_full(self.path, e) from e
                 fd, reason = None, e.strerror
             finally:
                 probe.close()
         if fd is None and want:
-            os.close(self.fd)
             raise ValueError(f"direct_io=True but {self.path!r} ({_fs.fs_type(self.path)}) does not support "
                              f"O_DIRECT ({reason}); set direct_io=None to fall back to buffered I/O")
         return fd
@@ -100,7 +136,11 @@ class _Arena(Arena):
     def close(self) -> None:
         self.pool.shutdown(wait=True)
         self.read_pool.shutdown(wait=True)
-        for fd in (self.fd, self.fd_direct):
+        self.forget()
+
+    def forget(self) -> None:
+        fds, self.fd, self.fd_direct = (self.fd, self.fd_direct), None, None
+        for fd in fds:
             if fd is not None:
                 os.close(fd)
 
@@ -120,15 +160,30 @@ class _Arena(Arena):
 _local = threading.local()
 
 
-def _staging(nbytes: int) -> tuple[memoryview, torch.Tensor]:
-    """This thread's page-aligned staging buffer, at least ``nbytes`` long, on huge pages when
-    it is large enough (Note [huge pages make large requests] in ``_hostbuf.py``)."""
-    buf = getattr(_local, "buf", None)
+# Note [pinned staging for CUDA tensors]
+# GPU-ONLY CODE (not run in this project's CI, which has no GPU). A CUDA tensor goes between the
+# device and the drive through a staging buffer of the I/O thread. From pageable memory every
+# host/device copy is synchronous and moves at about half the speed of pinned memory, so CUDA
+# tensors are staged in pinned (page-locked) memory. O_DIRECT needs it page-aligned as well:
+# torch's pinned allocator does not promise that, so the buffer has a page of slack and starts
+# at the first page boundary in it. Host tensors never use it (they stage in ``HostMapping``s).
+def _staging(nbytes: int, *, pinned: bool = False) -> tuple[memoryview, torch.Tensor]:
+    """This thread's page-aligned staging buffer, at least ``nbytes`` long: pinned for CUDA
+    tensors (Note [pinned staging for CUDA tensors]), else on huge pages when it is large enough
+    (Note [huge pages make large requests] in ``_hostbuf.py``)."""
+    attr = "pinned" if pinned else "buf"
+    buf = getattr(_local, attr, None)
     if buf is None or len(buf[0]) < nbytes:
         size = align_up(nbytes)
-        m = HostMapping(size)
-        mv = memoryview(m.mm)[m.start:m.start + size]
-        buf = _local.buf = (mv, torch.frombuffer(mv, dtype=torch.uint8))
+        if pinned:
+            block = device.pinned_empty(size + ALIGN)
+            staged = block[-block.data_ptr() % ALIGN:][:size]
+            buf = (raw_view(staged, 0, size), staged)  # ``staged`` keeps the memory alive
+        else:
+            m = HostMapping(size)
+            mv = memoryview(m.mm)[m.start:m.start + size]
+            buf = (mv, torch.frombuffer(mv, dtype=torch.uint8))
+        setattr(_local, attr, buf)
     return buf
 
 
@@ -183,6 +238,7 @@ class PosixBackend(ArenaBackend):
 
     def submit_write(self, extent: Extent, src: torch.Tensor, *, checksum: bool = False,
                      ready: Callable[[], None] | None = None) -> Future:
+        self._check_process()
         arena = self._arenas[extent.path_index]
         lead = lead_of(src) if arena.direct else 0
         with arena.lock:
@@ -208,7 +264,7 @@ class PosixBackend(ArenaBackend):
         crc = None
         try:
             if device.is_cuda(src):
-                mm, staged = _staging(wn)
+                mm, staged = _staging(wn, pinned=True)
                 device.copy_on_side_stream(staged[:p1 - p0], src[p0:p1])
                 mv, payload = memoryview(mm)[:wn], memoryview(mm)[:p1 - p0]
             else:
@@ -223,6 +279,7 @@ class PosixBackend(ArenaBackend):
 
     def submit_read(self, extent: Extent, dst: torch.Tensor, *, checksum: object = None,
                     ready: Callable[[], None] | None = None) -> Future:
+        self._check_process()
         arena = self._arenas[extent.path_index]
         lead = self._lead(extent)
         # In place only into whole pages the buffer owns (one from alloc_buffer(extent=...));
@@ -259,7 +316,7 @@ class PosixBackend(ArenaBackend):
                 _full_read(fd, raw_view(dst, w0 - lead, wn), base + w0)
                 payload = raw_view(dst, p0, p1 - p0)
             else:
-                mm, staged = _staging(wn)
+                mm, staged = _staging(wn, pinned=device.is_cuda(dst))
                 _full_read(fd, memoryview(mm)[:wn], base + w0)
                 s0 = p0 + lead - w0
                 payload = memoryview(mm)[s0:s0 + p1 - p0]
