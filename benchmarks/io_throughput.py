@@ -159,7 +159,8 @@ def run(path: str, *, size: int, tensor_bytes: int, rounds: int, io_threads: int
     size = count * tensor_bytes
     cfg = OffloadConfig(path=path, backend="posix", min_bytes=0, keep_last_layers=0,
                         io_threads=io_threads, chunk_bytes=chunk_bytes,
-                        max_inflight_bytes=max(size, 1 << 20), prefetch_bytes=max(size, 1 << 20))
+                        max_inflight_bytes=max(size, 1 << 20), prefetch_bytes=max(size, 1 << 20),
+                        when_full="wait")
     unknown = set(modes) - {"raw", "backend", "offloader"}
     if unknown:
         raise ValueError(f"unknown mode(s) {sorted(unknown)}; use raw, backend, offloader")

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = ["State", "Entry", "Ref", "StorageIndex", "byte_span", "rebuild", "byte_view"]
+__all__ = ["State", "Entry", "Ref", "StorageIndex", "Cache", "byte_span", "rebuild", "byte_view"]
 
 # The widest element (complex128): entry spans start on a multiple of it, so every view of the
 # storage, whatever its dtype, lands on a whole element of the rebuilt buffer.
@@ -60,7 +60,12 @@ def rebuild(buf: torch.Tensor, ref: Ref) -> torch.Tensor:
     size = ref.dtype.itemsize
     assert byte_offset % size == 0, "a view was rebuilt off its element boundary"
     out = torch.empty(0, dtype=ref.dtype, device=buf.device)
-    return out.set_(buf.untyped_storage(), byte_offset // size, ref.size, ref.stride)
+    out = out.set_(buf.untyped_storage(), byte_offset // size, ref.size, ref.stride)
+    if ref.conj:  # Note [lazy bits travel with the save]
+        out = out.conj()
+    if ref.neg:
+        out = torch._neg_view(out)
+    return out
 
 
 class Entry:
@@ -140,25 +145,40 @@ class Entry:
 class Ref:
     """What autograd holds for one save: the entry, and how to rebuild this save's view."""
 
-    __slots__ = ("entry", "dtype", "size", "stride", "offset", "gen", "graveyard", "__weakref__")
+    __slots__ = ("entry", "dtype", "size", "stride", "offset", "conj", "neg", "gen", "graveyard", "__weakref__")
 
     def __init__(self, entry: Entry, t: torch.Tensor, graveyard) -> None:
+        self.graveyard = None  # not counted yet: a Ref that dies before the count files nothing
         self.entry = entry
         self.dtype = t.dtype
         self.size = tuple(t.shape)
         self.stride = t.stride()
         self.offset = t.storage_offset() * t.element_size() - entry.lo
+        # Note [lazy bits travel with the save]: a conjugate or negative view (``z.conj()``,
+        # ``x.mH``, ``torch._neg_view``) shares its storage's bytes unchanged and carries the
+        # operation as a bit; a tensor rebuilt on the bytes alone would lose it.
+        self.conj = t.is_conj()
+        self.neg = t.is_neg()
         self.gen = -1
+        # Note [an interrupt never unbalances a count]: the count and the flag that makes __del__
+        # give it back are set by two stores with no call between them, so no KeyboardInterrupt
+        # (Python runs signal handlers only at calls and jumps) can separate them.
+        entry.refs += 1
         self.graveyard = graveyard
 
     def __del__(self) -> None:
         # Note [release at a safe point]: autograd drops saved references wherever it likes (even
         # from inside our own pack, through the garbage collector), so a dying Ref only files
         # itself; the engine settles the count under its lock at its next safe point.
+        if self.graveyard is None:
+            return
         try:
             self.graveyard.append((self.entry, self.gen))
         except Exception:  # pragma: no cover - interpreter shutdown
             pass
+
+
+_SHAREABLE = (State.KEPT, State.QUEUED)
 
 
 class StorageIndex:
@@ -177,8 +197,12 @@ class StorageIndex:
             if entry.storage_ref.expired():
                 bucket.remove(entry)
                 continue
-            # Same storage and same version: the bytes are those the entry holds (or wrote).
-            if entry.version == version and entry.covers(lo, hi) and entry.state is not State.FREED:
+            # Note [a new save sees the bytes as they are now]: same storage and same version, and
+            # the bytes have not started to leave memory. A write PyTorch cannot see (through
+            # ``.data``, ``set_`` on an alias, numpy) bumps no version; once an entry's bytes are
+            # on their way to the drive, a new save of the storage gets an entry of its own, so
+            # it reads back the bytes it saw, not those written before such a change.
+            if entry.version == version and entry.state in _SHAREABLE and entry.covers(lo, hi):
                 return entry
         if not bucket:
             del self._by_key[key]
@@ -196,3 +220,125 @@ class StorageIndex:
 
     def __len__(self) -> int:
         return sum(len(b) for b in self._by_key.values())
+
+
+class Cache:
+    """The live entries, their index, and the byte counts that follow their states.
+
+    Every state change of an entry is a method here, so that ``resident`` (saved bytes the
+    offloader holds in memory: the storages not yet released, and the buffers read back) and
+    ``disk_bytes`` (extents reserved) always agree with the entries. The engine calls these under
+    its lock; ``counters`` is its :class:`~ssdtrain.stats.Counters`.
+    """
+
+    def __init__(self, counters: Any, free_extent: Any) -> None:
+        self.index = StorageIndex()
+        self.entries: dict[int, Entry] = {}
+        self.counters = counters
+        self.disk_bytes = 0
+        self._free = free_extent  # backend.free
+
+    def new(self, id_: int, t: torch.Tensor, lo: int, hi: int, scope: Any, layer: int | None) -> Entry:
+        """A new entry for ``t``'s bytes ``[lo, hi)``, KEPT (in memory) until it is queued."""
+        e = Entry(id_, t, lo, hi, scope, layer)
+        self.index.add(e)
+        self.entries[e.id] = e
+        self.counters.add(scope.stats_id, "unique_bytes", e.nbytes)
+        self.counters.resident(e.nbytes)
+        return e
+
+    def queue(self, e: Entry, extent: Any) -> None:
+        """KEPT -> QUEUED: ``extent`` reserved for its write."""
+        e.extent = extent
+        self.disk_bytes += extent.length
+        e.state = State.QUEUED
+        e.offloaded = True
+
+    def start_write(self, e: Entry) -> None:
+        e.state = State.WRITING
+
+    def cancel(self, e: Entry) -> None:
+        """QUEUED -> KEPT: the write will not happen."""
+        e.state = State.KEPT
+        self.free_extent(e)
+        self.counters.add(e.scope.stats_id, "cancelled_writes", 1)
+
+    def written(self, e: Entry, checksum: Any) -> bool:
+        """A write finished: WRITING -> WRITTEN (True), or the entry died meanwhile (False)."""
+        e.checksum = checksum
+        if e.state is State.WRITING:
+            e.state = State.WRITTEN
+            return True
+        if e.state is State.FREED and e.extent is not None:
+            self.free_extent(e)
+        return False
+
+    def keep_after_error(self, e: Entry) -> None:
+        """A write failed (or could not be placed): the bytes never left memory; KEPT."""
+        if e.extent is not None:
+            self.free_extent(e)
+        e.state = State.KEPT
+        self.counters.add(e.scope.stats_id, "kept_bytes", e.nbytes)
+
+    def drop_memory(self, e: Entry) -> None:
+        """WRITTEN -> ON_DISK: the in-memory copy goes (after it is safely on storage)."""
+        e.release_memory()
+        e.state = State.ON_DISK
+        self.counters.resident(-e.nbytes)
+
+    def reading(self, e: Entry, buf: torch.Tensor, future: Any) -> None:
+        """A read into ``buf`` is in flight."""
+        e.read_buf, e.read_future = buf, future
+        self.counters.add(e.scope.stats_id, "reads", 1)
+        self.counters.resident(e.nbytes)
+
+    def read_failed(self, e: Entry, future: Any) -> None:
+        if e.read_future is future:
+            e.read_future = e.read_buf = None
+            self.counters.resident(-e.nbytes)
+
+    def read_done(self, e: Entry, future: Any, buf: torch.Tensor) -> None:
+        if e.read_future is future:
+            e.loaded, e.read_buf, e.read_future = buf, None, None
+
+    def unload(self, e: Entry) -> None:
+        """Once every live save of a reloaded entry has been unpacked, its buffer is held weakly
+        (a later pass, with ``retain_graph``, finds it while autograd still holds it)."""
+        if e.loaded is not None and e.unpacked_refs >= e.refs:
+            e.loaded_weak = weakref.ref(e.loaded)
+            e.loaded = None
+            e.consumed_pass = e.scope.passes
+            e.gen += 1
+            e.unpacked_refs = 0
+            self.counters.resident(-e.nbytes)
+
+    def release(self, e: Entry) -> State:
+        """The last reference died: the entry goes (FREED); returns the state it was in. Its
+        extent is freed here unless a write or a read still uses it (the caller sees to it)."""
+        self.index.remove(e)
+        self.entries.pop(e.id, None)
+        state, e.state = e.state, State.FREED
+        if e.data is not None:
+            self.counters.resident(-e.nbytes)
+        if e.loaded is not None or e.read_future is not None:
+            self.counters.resident(-e.nbytes)
+        if e.extent is not None and state is not State.WRITING and (
+                e.read_future is None or e.read_future.done()):
+            self.free_extent(e)
+        return state
+
+    def lose_extent(self, e: Entry) -> None:
+        """A write may be in flight that no one will hear finish: the entry stays in memory
+        (KEPT) and its extent is never given back (counted in ``lost_bytes``)."""
+        e.state = State.KEPT
+        self.counters.add(e.scope.stats_id, "lost_bytes", e.extent.length)
+        self.disk_bytes -= e.extent.length
+        e.extent = None
+
+    def free_extent(self, e: Entry) -> None:
+        self.disk_bytes -= e.extent.length
+        self._free(e.extent)
+        e.extent = None
+
+    def __len__(self) -> int:
+        return len(self.entries)

@@ -75,3 +75,16 @@ def copy_on_side_stream(dst: torch.Tensor, src: torch.Tensor) -> None:
 def pinned_empty(nbytes: int) -> torch.Tensor:
     """Page-locked host bytes (for fast, asynchronous host/device copies)."""
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a CUDA graph (never initialises CUDA)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def for_consumer(t: torch.Tensor) -> torch.Tensor:
+    """``t`` handed to backward: a CUDA reload buffer is tied to the stream that uses it, so the
+    caching allocator does not reuse its memory while kernels queued there still read it."""
+    if is_cuda(t):
+        t.record_stream(torch.cuda.current_stream(t.device))
+    return t

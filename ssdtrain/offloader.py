@@ -1,9 +1,10 @@
 """The :class:`Offloader`: saved-tensor hooks that send activations to storage and bring them back.
 
-Pack and unpack are short: they ask the cache (``cache.py``) which entry a save belongs to, the
-schedule (``schedule.py``) what to keep and what to read ahead, and the backend (``store/``) to do
-the I/O. All shared state is guarded by one lock; I/O threads touch it only in the write
-completion callback. Reads are polled by the thread that needs them, never called back.
+This file is the data path and its wiring, nothing more. Pack asks the policy whether to keep a
+tensor and the cache (``cache.py``) which entry it belongs to, and hands new entries to the
+write queue (``writer.py``); unpack hands back what is still in memory, or waits for the read
+that the read-ahead window (``schedule.py``) issued. Shared state is guarded by one lock; I/O
+threads take it only when a write completes. Reads are polled by the thread that needs them.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import contextlib
 import copy
 import itertools
 import logging
+import os
 import threading
 import time
 import warnings
@@ -25,27 +27,18 @@ import torch
 from torch import nn
 
 from ssdtrain import device
-from ssdtrain.cache import SPAN_ALIGN, Entry, Ref, State, StorageIndex, byte_span, rebuild
+from ssdtrain.cache import SPAN_ALIGN, Cache, Entry, Ref, State, byte_span, rebuild
 from ssdtrain.config import OffloadConfig
-from ssdtrain.schedule import Scope, find_blocks
+from ssdtrain.schedule import ReadWindow, Scope, WriteBudget, find_blocks
 from ssdtrain.stats import Counters, OffloadStats
 from ssdtrain.store import Backend, StorageError, make_backend
 from ssdtrain.store._mem import profiled
+from ssdtrain.writer import WriteQueue
 
 __all__ = ["Offloader", "offload", "no_offload"]
 
 log = logging.getLogger(__name__)
-
-# Note [a window as small as the drive allows]: the share of time backward may wait on reads
-# before the read-ahead window doubles (at the next pass), and the share that doubles it at once.
-# A wait is time the step loses outright, while the memory a larger window holds is bounded by
-# ``prefetch_bytes``; so the budget is a quarter of a percent. At 1% the bench model settled on
-# a 32 MiB window and waited 0.7% of every step; at 0.25% the window swings between 25 and
-# 64 MiB (it shrinks after clean passes), and the median step waits for nothing.
-STALL_BUDGET = 0.0025
-STALL_RUSH = 0.10
-_now = time.perf_counter  # a seam for the tests of that policy
-
+_now = time.perf_counter  # a seam for tests
 
 
 class Offloader:
@@ -57,101 +50,77 @@ class Offloader:
             ``keep_last_layers`` and block-wise prefetch.
         config: an :class:`OffloadConfig` (or a mapping of its fields).
         store: a ready :class:`~ssdtrain.store.Backend` to use instead of the one ``backend``
-            names (custom storage; the tests use a store whose I/O they complete by hand).
-        **overrides: fields of :class:`OffloadConfig` that replace those of ``config``.
+            names (custom storage; a throttled drive; the tests' hand-driven store).
+        **overrides: fields of :class:`OffloadConfig` that replace those of ``config``;
+            ``keep_modules`` may also list the modules themselves.
 
     Raises:
         ValueError: for bad settings or an unusable ``path``, before any tensor is touched.
 
-    Example::
-
-        off = ssdtrain.Offloader(model, path="/nvme/ssdtrain")
-        for x, y in data:
-            with off:
-                loss = loss_fn(model(x), y)
-            loss.backward()
-            opt.step()
-        off.close()
+    ``with off:`` switches offloading on for what runs inside; leaving it marks the end of a
+    forward pass, so wrap each step's forward (backward then starts its reads at once). A
+    ``with off:`` around a whole training loop works too: each forward after a backward starts
+    a new step. Either way the object lives until :meth:`close` (or garbage collection).
     """
 
     def __init__(self, model: nn.Module | list[nn.Module] | None = None, config: OffloadConfig | Mapping | None = None, *,
                  store: Backend | None = None, **overrides: Any) -> None:
-        if config is None:
-            config = OffloadConfig.from_dict(overrides)
-        else:
-            if isinstance(config, Mapping):
-                config = OffloadConfig.from_dict(config)
-            elif not isinstance(config, OffloadConfig):
-                raise TypeError(f"config must be an OffloadConfig or a mapping, not {type(config).__name__}")
-            if overrides:
-                config = config.replace(**overrides)
-        if model is None:
-            models: list[nn.Module] = []
-        elif isinstance(model, nn.Module):
-            models = [model]
-        elif isinstance(model, (list, tuple)) and model and all(isinstance(m, nn.Module) for m in model):
-            models = list(model)  # model chunks (interleaved pipelines), first layers first
-        else:
-            raise TypeError(f"model must be an nn.Module, a list of them (model chunks), or None; "
-                            f"not {type(model).__name__}")
+        keep = overrides.get("keep_modules")
+        keep_objects = [m for m in (keep or ()) if isinstance(m, nn.Module)]
+        if keep_objects:
+            overrides["keep_modules"] = tuple(m for m in keep if not isinstance(m, nn.Module))
+        if isinstance(config, Mapping):
+            config = OffloadConfig.from_dict(config)
+        elif config is not None and not isinstance(config, OffloadConfig):
+            raise TypeError(f"config must be an OffloadConfig or a mapping, not {type(config).__name__}")
+        config = OffloadConfig.from_dict(overrides) if config is None else config.replace(**overrides)
         self.config = config
         self.model = model
-        self._models = models
-        self._blocks = [b for m in models for b in find_blocks(m, config.layers)]
+        self._models = _model_list(model)
+        self._blocks = [b for m in self._models for b in find_blocks(m, config.layers)]
         if config.keep_last_layers and not self._blocks:
             raise ValueError(
                 f"keep_last_layers={config.keep_last_layers} needs blocks to count from: pass model= with an "
                 "nn.ModuleList of blocks (or layers='dotted.name'), or set keep_last_layers=0")
+        kept_modules = keep_objects + [_named_module(self._models, name) for name in config.keep_modules]
         self._backend: Backend = store if store is not None else make_backend(config)  # checks the paths
+        self._pid = os.getpid()
         self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
-        self._index = StorageIndex()
-        self._entries: dict[int, Entry] = {}
+        self._counters = Counters()
+        self._cache = Cache(self._counters, self._backend.free)
+        self._entries = self._cache.entries
+        # Writes handed to the backend at once: enough to keep every I/O thread busy.
+        writing = 2 * config.chunk_bytes * config.io_threads * len(config.paths)
+        self._writer = WriteQueue(self._backend, self._cache, self._lock, max_inflight_bytes=config.max_inflight_bytes,
+                                  max_writing_bytes=writing, verify=config.verify,
+                                  on_done=weakref.WeakMethod(self._write_done))
         self._graveyard: deque = deque()
-        self._completed: deque = deque()
-        self._write_queue: deque = deque()
-        self._writing = 0
-        self._writing_bytes = 0
         self._late_frees = 0  # extents of freed entries still being read into a dropped buffer
         self._late_extents: deque = deque()  # ... and those whose read is done: free at a safe point
-        # Note [a window as small as the drive allows]: read-ahead starts small and is resized
-        # once per backward pass (at its start) from what the pass before it cost: it doubles
-        # when backward waited on reads for more than STALL_BUDGET of that time, and shrinks by
-        # a quarter after a pass with no wait at all. A fast drive thus costs little memory, a
-        # slow one gets the window it needs, with no profiling pass; and one wait caused by a
-        # hiccup of the machine does not grow the window for the rest of the run. A drive far
-        # too slow for the window grows it at once (STALL_RUSH), without waiting for the pass.
-        self._window_min = min(config.prefetch_bytes, max(2 * config.chunk_bytes, 16 << 20))
-        self._window = self._window_min
-        self._period_start = _now()
-        self._period_stall = 0.0
-        self._period_misses = 0
-        self._last_period = 0.0
-        # Writes handed to the backend at once: enough to keep every I/O thread busy, few enough
-        # that the rest stays queued: cancellable when backward wants it first (adaptive keep),
-        # and not in the way of reads.
-        self._max_writing_bytes = 2 * config.chunk_bytes * config.io_threads * len(config.paths)
-        self._inflight_bytes = 0
-        self._disk_bytes = 0
-        self._counters = Counters()
+        self._window = ReadWindow(max(2 * config.chunk_bytes, 16 << 20), config.prefetch_bytes, _now())
+        self._budget = WriteBudget(_now(), config.chunk_bytes)
         self._ids = itertools.count()
         self._steps = itertools.count()
         self._scopes: dict[Any, Scope] = {}
-        self._scope_stack: list[Scope] = []
+        self._active: list[list] = []  # [hooks, scope] per activation, innermost last
         self._layer_stack: list[int] = []
+        self._keep_depth = [0]
         self._pinned: frozenset[int] = frozenset()
         self._error: BaseException | None = None
         self._warnings: list[str] = []
         self._warned_keep = False
         self._closed = False
-        self._hook_handles = []
-        # The model must not keep the offloader alive (its finalizer closes it): hooks hold it weakly.
+        self._hook_handles: list = []
+        # The model must not keep the offloader alive (its finalizer closes it): hooks hold no self.
         layers = _LayerTracker(self._layer_stack)
         for i, block in enumerate(self._blocks):
             self._hook_handles.append(block.register_forward_pre_hook(partial(layers.enter, i)))
-            self._hook_handles.append(block.register_forward_hook(layers.leave))
+            self._hook_handles.append(block.register_forward_hook(layers.leave, always_call=True))
+        for m in kept_modules:  # Note [opted-out modules]: saves inside them stay in memory
+            self._hook_handles.append(m.register_forward_pre_hook(partial(_bump, self._keep_depth, 1)))
+            self._hook_handles.append(m.register_forward_hook(partial(_bump, self._keep_depth, -1), always_call=True))
         self._counters.total.backend = self._backend.describe()
-        self._finalizer = weakref.finalize(self, _shutdown, self._backend, self._hook_handles)
+        self._finalizer = weakref.finalize(self, _shutdown, self._writer, self._backend, self._hook_handles)
         self._endurance = self._make_endurance()
 
     # -- public surface --------------------------------------------------------------------
@@ -165,8 +134,7 @@ class Offloader:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        scope = self._scope_stack[-1]
-        self._deactivate(raise_errors=exc_type is None)
+        scope = self._deactivate(raise_errors=exc_type is None)
         if exc_type is None:
             # Forward is over and backward comes next: keep what is still queued, start reading.
             with self._lock:
@@ -203,18 +171,21 @@ class Offloader:
         into them was in flight is returned too."""
         self._drain()  # references already dropped free their extents (or schedule it) first
         with self._lock:
-            self._release_held([s for s in self._scopes.values() if not s.backward_started])
-        self._pump()
+            self._writer.release_held([s for s in self._scopes.values() if not s.backward_started])
+        self._writer.pump()
         with self._lock:
-            while self._write_queue or self._writing or self._late_frees:
-                self._wait_io()
+            while not self._writer.idle() or self._late_frees:
+                if self._late_extents:
+                    self._free_late()
+                else:
+                    self._writer.wait(0.01 if self._late_frees else 1.0)
             armed = [s for s in self._scopes.values() if s.armed]
             for scope in armed:
                 # The window kept what it passed in memory; release it too. Writes that finished
                 # before now were settled at an earlier safe point and kept for the window: they
                 # go through the drain again.
                 scope.restart()
-                self._completed.extend(e for e in scope.order if e.state is State.WRITTEN)
+                self._writer.completed.extend(e for e in scope.order if e.state is State.WRITTEN)
         self._safe_point(raise_errors=True)
         with self._lock:
             for scope in armed:
@@ -225,16 +196,14 @@ class Offloader:
         self._safe_point(raise_errors=False)
         with self._lock:
             snap = self._counters.snapshot()
-            snap.live_entries = len(self._entries)
-            snap.live_disk_bytes = self._disk_bytes
-            snap.prefetch_window_bytes = self._window
+            snap.live_entries = len(self._cache)
+            snap.live_disk_bytes = self._cache.disk_bytes
+            snap.prefetch_window_bytes = self._window.bytes
+            snap.write_budget_bytes = self._budget.limit
         snap.written_bytes_by_path = self._backend.written_bytes_by_path()
         if self._endurance is not None:
             snap.endurance = self._endurance.projection()
         return snap
-
-    def written_bytes_by_path(self) -> dict[str, int]:
-        return self._backend.written_bytes_by_path()
 
     def reset_peak(self) -> None:
         """Restarts ``peak_resident_bytes`` from the bytes resident now (e.g. at each step)."""
@@ -262,16 +231,11 @@ class Offloader:
             return
         self._closed = True
         with self._lock:
-            self._release_held(self._scopes.values())
-            for e in list(self._write_queue):
-                if e.state is State.QUEUED:
-                    self._cancel_write(e)
-            self._write_queue.clear()
-            while self._writing:
-                self._wait_io()
+            self._writer.release_held(self._scopes.values())
+        self._writer.close()
         self._drain()
         with self._lock:
-            for e in self._entries.values():
+            for e in self._cache.entries.values():
                 if e.state is State.ON_DISK and e.loaded is None:
                     e.error = RuntimeError("ssdtrain: this saved tensor was on storage when its Offloader was "
                                            "closed; run backward before close()")
@@ -285,42 +249,85 @@ class Offloader:
             self._pinned = frozenset(t.untyped_storage()._cdata for m in self._models
                                      for t in itertools.chain(m.parameters(), m.buffers()))
         self._layer_stack.clear()
+        self._keep_depth[0] = 0
         with self._lock:
             # Another forward comes before their backward: the waiting last saves of the scopes
             # still in forward are written after all (Note [the last save waits]).
-            self._release_held([s for s in self._scopes.values() if not s.backward_started])
+            self._writer.release_held([s for s in self._scopes.values() if not s.backward_started])
             self._scopes[scope.id] = scope
+            self._budget.new_step(_now())
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        hooks.__enter__()
-        self._scope_stack.append(scope)
-        scope.hooks = hooks  # type: ignore[attr-defined]
+        try:
+            hooks.__enter__()
+            self._active.append([hooks, scope])
+        except BaseException:
+            # Note [an interrupt never unbalances a count]: hooks entered by an interrupted
+            # __enter__ would stay for good (no __exit__ follows an __enter__ that raised).
+            if self._hooks_on_top():
+                hooks.__exit__(None, None, None)
+            raise
 
-    def _deactivate(self, *, raise_errors: bool) -> None:
-        scope = self._scope_stack.pop()
-        scope.hooks.__exit__(None, None, None)  # type: ignore[attr-defined]
-        self._pump()
+    def _hooks_on_top(self) -> bool:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        return top is not None and getattr(top[0], "__self__", None) is self
+
+    def _deactivate(self, *, raise_errors: bool) -> Scope:
+        hooks, scope = self._active[-1]
+        try:
+            hooks.__exit__(None, None, None)
+        finally:
+            self._active.pop()
+        self._writer.pump()
         if self._endurance is not None:  # once per step or micro-batch: it stats the drives
             msg = self._endurance.check()
             if msg:
                 warnings.warn(msg, RuntimeWarning, stacklevel=3)
         self._safe_point(raise_errors=raise_errors)
+        return scope
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this Offloader is closed; create a new one")
+        if os.getpid() != self._pid:
+            raise RuntimeError(f"this Offloader was created in process {self._pid} and cannot be used in a forked "
+                               f"child ({os.getpid()}): its files and I/O threads belong to the parent; create a new "
+                               "Offloader in the child")
+
+    def _step_scope(self) -> Scope:
+        """The scope saves go to. With ``with off:`` around a whole loop, a forward that follows a
+        backward starts the next step (saves made by a backward pass itself stay in its scope)."""
+        if not self._active:  # hooks entered by hand: torch.autograd.graph.saved_tensors_hooks(off._pack, ...)
+            self._active.append([None, Scope(("step", next(self._steps)))])
+            self._scopes[self._active[-1][1].id] = self._active[-1][1]
+        rec = self._active[-1]
+        if rec[1].backward_started and torch._C._current_graph_task_id() == -1 and rec[1].stats_id is None:
+            rec[1] = Scope(("step", next(self._steps)))
+            with self._lock:
+                self._writer.release_held([s for s in self._scopes.values() if not s.backward_started])
+                self._scopes[rec[1].id] = rec[1]
+                self._budget.new_step(_now())
+        return rec[1]
 
     # -- pack ---------------------------------------------------------------------------------
     def _keeps_as_is(self, t: torch.Tensor) -> bool:
-        """Tensors that are not activations, or that we cannot store: returned to autograd as is."""
+        """Tensors that are not activations, or that we cannot store as bytes: returned to
+        autograd as they are."""
         if type(t) is not torch.Tensor or t.layout is not torch.strided or t.is_inference():
             return True  # parameters (nn.Parameter), tensor subclasses, sparse, inference tensors
-        if t.device.type not in ("cpu", "cuda") or t.numel() == 0:
-            return True
+        if t.device.type not in ("cpu", "cuda") or t.numel() == 0 or t.is_quantized or t._is_zerotensor():
+            return True  # quantized: scales and zero points live outside the bytes
+        if self._keep_depth[0] > 0:
+            return True  # inside a module in keep_modules
         base = t._base
         if t.requires_grad and t.is_leaf and base is None:
             return True  # a leaf that wants gradients lives anyway (a parameter in all but name)
         if base is not None and (type(base) is not torch.Tensor or (base.requires_grad and base.is_leaf)):
             return True  # a view of a parameter (e.g. weight.t() saved by mm)
+        if _is_weight_cast(base if base is not None else t):
+            return True
+        if device.is_cuda(t) and device.capturing():
+            raise RuntimeError("ssdtrain cannot offload inside CUDA graph capture (its I/O runs on the host); "
+                               "capture the graph outside the Offloader, or wrap it in ssdtrain.no_offload()")
         try:
             return t.untyped_storage()._cdata in self._pinned
         except (RuntimeError, NotImplementedError):
@@ -330,8 +337,9 @@ class Offloader:
         if self._keeps_as_is(t):
             return _as_is(t)
         with profiled("ssdtrain.pack"):
+            self._check_open()
             self._safe_point(raise_errors=True)
-            scope = self._scope_stack[-1] if self._scope_stack else self._orphan_scope()
+            scope = self._step_scope()
             lo, hi = view_lo, view_hi = byte_span(t)
             storage_bytes = t.untyped_storage().nbytes()
             if 2 * (hi - lo) >= storage_bytes:
@@ -343,154 +351,79 @@ class Offloader:
             layer = self._layer_stack[-1] if self._layer_stack else None
             with self._lock:
                 self._counters.add(scope.stats_id, "saved_bytes", t.numel() * t.element_size())
-                entry = self._index.find(t, view_lo, view_hi)
-                if entry is None:
-                    entry = self._new_entry(t, lo, hi, scope, layer)
-                entry.refs += 1
-                ref = Ref(entry, t, self._graveyard)
+                entry = self._cache.index.find(t, view_lo, view_hi)
+                fresh = entry is None
+                try:
+                    if fresh:
+                        entry = self._new_entry(t, lo, hi, scope, layer)
+                    ref = Ref(entry, t, self._graveyard)
+                except BaseException:
+                    if fresh and entry is not None and entry.refs == 0:  # interrupted: nothing holds it
+                        entry.refs = 1
+                        self._drop_ref(entry, entry.gen)
+                    raise
             if entry.state is State.QUEUED:
-                self._pump()
+                self._writer.pump()
             return ref
 
-    def _orphan_scope(self) -> Scope:
-        # Hooks entered by hand (torch.autograd.graph.saved_tensors_hooks(off._pack, off._unpack)).
-        scope = Scope(("step", next(self._steps)))
-        self._scope_stack.append(scope)  # stays: hooks entered by hand have no exit of ours
-        self._scopes[scope.id] = scope
-        return scope
-
     def _new_entry(self, t: torch.Tensor, lo: int, hi: int, scope: Scope, layer: int | None) -> Entry:
-        """Called under the lock. Decides keep or write, and queues the write."""
+        """Under the lock: a new entry, kept or queued for writing (Note [write only what comes
+        back in time] for the budget)."""
         cfg = self.config
-        e = Entry(next(self._ids), t, lo, hi, scope, layer)
-        n = e.nbytes
-        self._index.add(e)
-        self._entries[e.id] = e
+        e = self._cache.new(next(self._ids), t, lo, hi, scope, layer)
         scope.live_entries += 1
-        self._counters.add(scope.stats_id, "unique_bytes", n)
-        self._counters.resident(n)
+        n = e.nbytes
         last = len(self._blocks) - cfg.keep_last_layers
-        if n < cfg.min_bytes or (layer is not None and layer >= last and cfg.keep_last_layers):
+        if n < cfg.min_bytes or (cfg.keep_last_layers and layer is not None and layer >= last):
             self._counters.add(scope.stats_id, "kept_bytes", n)
             return e
-        if self._inflight_bytes and self._inflight_bytes + n > cfg.max_inflight_bytes:
+        if not self._writer.has_room(n):
             if cfg.when_full == "keep":
                 self._counters.add(scope.stats_id, "backpressure_keeps", 1)
                 self._counters.add(scope.stats_id, "kept_bytes", n)
                 return e
-            self._wait_for_room(scope, n)
+            self._counters.add(scope.stats_id, "backpressure_waits", 1)
+            start = time.perf_counter()
+            with profiled("ssdtrain.stall.backpressure"):
+                self._writer.wait_for_room(n, self._scopes.values())
+            waited = time.perf_counter() - start
+            self._counters.add(scope.stats_id, "backpressure_stall_seconds", waited)
+            self._counters.add(scope.stats_id, "stall_seconds", waited)
+        if cfg.when_full == "keep" and not self._budget.allows(n):
+            self._counters.add(scope.stats_id, "budget_kept_bytes", n)
+            self._counters.add(scope.stats_id, "kept_bytes", n)
+            return e
         try:
-            e.extent = self._backend.allocate(n)
+            extent = self._backend.allocate(n)
         except StorageError as err:
-            return self._keep_after_error(e, err)
-        self._disk_bytes += e.extent.length
+            self._keep_after_error(e, err)
+            return e
+        self._cache.queue(e, extent)
         e.fence = device.producer_fence(t)
-        e.state = State.QUEUED
-        e.offloaded = True
         scope.add(e)
-        # Note [the last save waits]: a write starts only once the next save came. The last
-        # save of a forward is what backward needs first; had its write already started, the
-        # bytes would go to the drive only to be handed back from memory. When backward begins
-        # the waiting write is cancelled like any other queued one (adaptive keep). It is
-        # queued after all when another forward starts first (pipelines), on wait(), and when
-        # pack waits for room.
-        if scope.held is not None:
-            self._write_queue.append(scope.held)
-        scope.held = e
-        self._inflight_bytes += n
+        self._writer.hold(scope, e)
         return e
 
-    def _release_held(self, scopes) -> None:
-        """Under the lock: the waiting last saves of ``scopes`` join the write queue."""
-        for scope in scopes:
-            if scope.held is not None:
-                self._write_queue.append(scope.held)
-                scope.held = None
-
-    def _wait_for_room(self, scope: Scope, n: int) -> None:
-        """Note [bounded memory in flight]: pack waits (lock released) until writes drain."""
-        self._counters.add(scope.stats_id, "backpressure_waits", 1)
-        self._release_held(self._scopes.values())  # they count as in flight: let them go
-        start = time.perf_counter()
-        with profiled("ssdtrain.stall.backpressure"):
-            while self._inflight_bytes and self._inflight_bytes + n > self.config.max_inflight_bytes:
-                if not self._writing:
-                    # Nothing in flight to wait for: start queued writes (we hold the lock).
-                    self._lock.release()
-                    try:
-                        self._pump()
-                    finally:
-                        self._lock.acquire()
-                    continue
-                self._wait_io()
-        waited = time.perf_counter() - start
-        self._counters.add(scope.stats_id, "backpressure_stall_seconds", waited)
-        self._counters.add(scope.stats_id, "stall_seconds", waited)
-
-    # -- writes -------------------------------------------------------------------------------
-    def _pump(self) -> None:
-        """Starts queued writes, oldest first, up to the number the backend keeps in flight."""
-        batch = []
-        with self._lock:
-            while self._write_queue and (not self._writing or self._writing_bytes < self._max_writing_bytes):
-                e = self._write_queue.popleft()
-                if e.state is State.QUEUED:
-                    e.state = State.WRITING
-                    self._writing += 1
-                    self._writing_bytes += e.nbytes
-                    batch.append(e)
-        for e in batch:
-            try:
-                fut = self._backend.submit_write(e.extent, e.data, checksum=self.config.verify, ready=e.fence)
-            except Exception as err:  # the pool is gone (closing) or the backend refused
-                with self._lock:
-                    self._writing -= 1
-                    self._writing_bytes -= e.nbytes
-                    self._inflight_bytes -= e.nbytes
-                    self._write_failed(e, err)
-                    self._cond.notify_all()
-                continue
-            e.write_future = fut
-            fut.add_done_callback(partial(self._write_done, e))
-
-    def _write_done(self, e: Entry, fut) -> None:
-        """On an I/O thread, when a write finished."""
-        err = fut.exception()
-        with self._lock:
-            self._writing -= 1
-            self._writing_bytes -= e.nbytes
-            self._inflight_bytes -= e.nbytes
-            e.write_future = None
-            if err is not None:
-                self._write_failed(e, err)
-            else:
-                e.checksum = fut.result()
-                self._counters.add(e.scope.stats_id, "written_bytes", e.nbytes)
-                self._counters.add(e.scope.stats_id, "writes", 1)
-                if self._endurance is not None:
-                    self._endurance.record(e.extent.path_index, e.nbytes)
-                if e.state is State.WRITING:
-                    e.state = State.WRITTEN
-                    self._completed.append(e)
-                elif e.state is State.FREED:
-                    self._free_extent(e)
-            self._cond.notify_all()
-        self._pump()
-
-    def _write_failed(self, e: Entry, err: BaseException) -> None:
-        """Under the lock. Note [a failing drive does not corrupt training]: the bytes never left
-        memory (they are dropped only after a successful write), so the entry simply stays."""
+    # -- writes (completion, under the lock) ------------------------------------------------
+    def _write_done(self, e: Entry, err: BaseException | None) -> None:
+        """Note [a failing drive does not corrupt training]: the bytes never left memory (they
+        are dropped only after a successful write), so a failed write's entry simply stays."""
+        if err is None:
+            self._counters.add(e.scope.stats_id, "written_bytes", e.nbytes)
+            self._counters.add(e.scope.stats_id, "writes", 1)
+            self._budget.written(e.nbytes)
+            if self._endurance is not None and e.extent is not None:
+                self._endurance.record(e.extent.path_index, e.nbytes)
+            return
         self._counters.add(e.scope.stats_id, "failed_writes", 1)
         if e.state is State.FREED:
-            self._free_extent(e)
+            if e.extent is not None:
+                self._cache.free_extent(e)
             return
         self._keep_after_error(e, err)
 
-    def _keep_after_error(self, e: Entry, err: BaseException) -> Entry:
-        if e.extent is not None:
-            self._free_extent(e)
-        e.state = State.KEPT
-        self._counters.add(e.scope.stats_id, "kept_bytes", e.nbytes)
+    def _keep_after_error(self, e: Entry, err: BaseException) -> None:
+        self._cache.keep_after_error(e)
         if self.config.on_error == "raise":
             if self._error is None:
                 self._error = err
@@ -498,33 +431,10 @@ class Offloader:
             self._warned_keep = True
             self._warnings.append(f"ssdtrain: a write failed ({err}); on_error='keep': tensors that cannot be "
                                   "written stay in memory (see stats().failed_writes)")
-        return e
-
-    def _free_extent(self, e: Entry) -> None:
-        self._disk_bytes -= e.extent.length
-        self._backend.free(e.extent)
-        e.extent = None
-
-    def _cancel_write(self, e: Entry) -> None:
-        """Under the lock: a queued write is not needed (backward wants the tensor first)."""
-        e.state = State.KEPT
-        self._inflight_bytes -= e.nbytes
-        self._free_extent(e)
-        self._counters.add(e.scope.stats_id, "cancelled_writes", 1)
-        self._cond.notify_all()
-
-    def _wait_io(self) -> None:
-        """Under the lock: waits for some I/O to finish. I/O that the caller completes (the
-        posix backend's ring) is waited for with the lock released, so its callbacks can take it."""
-        if self._late_extents:
-            self._free_late()
-            return
-        # Late frees are queued by their callbacks without the lock, so without a notification.
-        self._cond.wait(timeout=0.01 if self._late_frees else 1.0)
 
     # -- safe points -----------------------------------------------------------------------------
     def _safe_point(self, *, raise_errors: bool) -> None:
-        if self._graveyard or self._completed or self._late_extents:
+        if self._graveyard or self._writer.completed or self._late_extents:
             self._drain()
         if self._warnings:
             for msg in self._warnings:
@@ -547,69 +457,47 @@ class Offloader:
             while self._graveyard:
                 e, gen = self._graveyard.popleft()
                 self._drop_ref(e, gen)
-            while self._completed:
-                e = self._completed.popleft()
+            completed = self._writer.completed
+            while completed:
+                e = completed.popleft()
                 if e.state is State.WRITTEN:
                     e.check_version()
-                    if e.counted_ahead:
-                        continue  # inside the read-ahead window: backward needs it soon, keep it
-                    e.release_memory()
-                    e.state = State.ON_DISK
-                    self._counters.resident(-e.nbytes)
+                    if not e.counted_ahead:  # inside the read-ahead window: backward needs it soon
+                        self._cache.drop_memory(e)
 
     def _drop_ref(self, e: Entry, gen: int) -> None:
         e.refs -= 1
         if gen == e.gen:
             e.unpacked_refs -= 1
         if e.refs > 0:
-            self._maybe_drop_loaded(e)
+            self._cache.unload(e)
             return
-        self._index.remove(e)
-        self._entries.pop(e.id, None)
         scope = e.scope
         scope.used(e)
         scope.live_entries -= 1
         if scope.held is e:
             scope.held = None
-        if scope.live_entries == 0 and self._scopes.get(scope.id) is scope and scope not in self._scope_stack:
+        if scope.live_entries == 0 and self._scopes.get(scope.id) is scope and all(r[1] is not scope for r in self._active):
             del self._scopes[scope.id]
-        state, e.state = e.state, State.FREED
-        if state is State.QUEUED:
-            self._inflight_bytes -= e.nbytes
-            self._cond.notify_all()
-        if e.data is not None:
-            self._counters.resident(-e.nbytes)
-        if e.loaded is not None or e.read_future is not None:
-            self._counters.resident(-e.nbytes)
-        if e.read_future is not None and not e.read_future.done():
+        if self._cache.release(e) is State.QUEUED:
+            self._writer.forget(e)
+        if e.extent is not None and e.read_future is not None:
             # The read still fills its buffer: give the extent back only when it is done.
             # The callback only queues the extent: it may run on this thread, inside this lock,
-            # if the read completes between the check above and this line.
+            # if the read completes between the check in release() and this line.
             ext, late = e.extent, self._late_extents
             e.extent = None
             self._late_frees += 1
             e.read_future.add_done_callback(lambda f: late.append(ext))
-        elif e.extent is not None and state is not State.WRITING:
-            self._free_extent(e)
         e.data = e.guard = e.loaded = e.read_buf = e.read_future = None
 
     def _free_late(self) -> None:
         """Under the lock: gives back the extents whose reads into dropped buffers are done."""
         while self._late_extents:
             extent = self._late_extents.popleft()
-            self._disk_bytes -= extent.length
+            self._cache.disk_bytes -= extent.length
             self._backend.free(extent)
             self._late_frees -= 1
-
-    def _maybe_drop_loaded(self, e: Entry) -> None:
-        """Once every live save of a reloaded entry has been unpacked, hold its buffer weakly."""
-        if e.loaded is not None and e.unpacked_refs >= e.refs:
-            e.loaded_weak = weakref.ref(e.loaded)
-            e.loaded = None
-            e.consumed_pass = e.scope.passes
-            e.gen += 1
-            e.unpacked_refs = 0
-            self._counters.resident(-e.nbytes)
 
     # -- unpack -------------------------------------------------------------------------------------
     def _unpack(self, ref: Any) -> torch.Tensor:
@@ -635,7 +523,12 @@ class Offloader:
                 self._prefetch(scope, e.layer)
                 scope.used(e)
                 if e.data is not None:
-                    return self._forward(e, ref)
+                    if e.state is State.QUEUED:
+                        self._writer.cancel(e)
+                    if not e.forwarded and e.offloaded:
+                        e.forwarded = True
+                        self._counters.add(e.scope.stats_id, "forwarded_bytes", e.nbytes)
+                    return device.for_consumer(rebuild(e.data, ref))
                 if e.error is not None:
                     # A fresh copy each time: a raised exception keeps its traceback, and the
                     # frames in it (holding saved references) must not live on in the entry.
@@ -651,108 +544,103 @@ class Offloader:
             if fut is not None:
                 self._await_read(e, fut)
             with self._lock:
-                if fut is not None and e.read_future is fut:
-                    e.loaded, e.read_buf, e.read_future = buf, None, None
+                if fut is not None:
+                    self._cache.read_done(e, fut, buf)
                 if ref.gen != e.gen:
                     ref.gen = e.gen
                     e.unpacked_refs += 1
                 out = rebuild(buf, ref)
-                self._maybe_drop_loaded(e)
-            return out
-
-    def _forward(self, e: Entry, ref: Ref) -> torch.Tensor:
-        """Under the lock: the bytes are still in memory; hand them back without a read."""
-        if e.state is State.QUEUED:
-            self._cancel_write(e)
-        if not e.forwarded and e.offloaded:
-            e.forwarded = True
-            self._counters.add(e.scope.stats_id, "forwarded_bytes", e.nbytes)
-        return rebuild(e.data, ref)
+                self._cache.unload(e)
+            return device.for_consumer(out)
 
     def _begin_backward(self, scope: Scope) -> None:
         """Under the lock. Adaptive keep: writes still queued are exactly what backward needs
         first, so cancel them and keep those tensors; then start reading the tail."""
         scope.backward_started = True
         scope.held = None  # cancelled below with the rest of the queue
-        self._resize_window()
         scope.restart()
         for e in scope.queued():
-            self._cancel_write(e)
+            self._writer.cancel(e)
             self._counters.add(scope.stats_id, "adaptive_keep_bytes", e.nbytes)
+        self._window.begin_pass(_now(), self._counters.total.resident_bytes)
         self._prefetch(scope, None)
 
-    def _note_read_stall(self, waited: float) -> None:
-        """Under the lock: backward waited ``waited`` seconds for a read."""
-        self._period_misses += 1
-        self._period_stall += waited
-        now = _now()
-        # Against the last pass's length too: waits right after a pass starts are common.
-        if self._period_stall > STALL_RUSH * max(now - self._period_start, self._last_period):
-            self._window = min(2 * self._window, self.config.prefetch_bytes)
-            self._period_start, self._period_stall = now, 0.0
-
-    def _resize_window(self) -> None:
-        """Under the lock, as a backward pass begins: Note [a window as small as the drive allows]."""
-        now = _now()
-        elapsed = now - self._period_start
-        if self._period_stall > STALL_BUDGET * elapsed:
-            self._window = min(2 * self._window, self.config.prefetch_bytes)
-        elif self._period_misses == 0:
-            self._window = max(self._window_min, self._window - self._window // 4)
-        self._period_start, self._period_stall, self._period_misses = now, 0.0, 0
-        self._last_period = elapsed
-
     def _prefetch(self, scope: Scope, layer: int | None) -> None:
-        cfg = self.config
-        for e in scope.advance(layer, max_bytes=self._window, max_layers=cfg.prefetch_layers):
+        limit = self._window.limit(self._counters.total.resident_bytes, scope.ahead)
+        for e in scope.advance(layer, max_bytes=limit, max_layers=self.config.prefetch_layers):
             self._issue_read(e)
 
     def _issue_read(self, e: Entry) -> None:
         """Under the lock: starts reading ``e`` back into a fresh buffer."""
         buf = self._backend.alloc_buffer(e.nbytes, e.device, extent=e.extent)
-        e.read_buf = buf
-        e.read_future = self._backend.submit_read(e.extent, buf, checksum=e.checksum,
-                                                  ready=device.consumer_fence(buf))
-        self._counters.add(e.scope.stats_id, "reads", 1)
-        self._counters.resident(e.nbytes)
+        fut = self._backend.submit_read(e.extent, buf, checksum=e.checksum, ready=device.consumer_fence(buf))
+        self._cache.reading(e, buf, fut)
 
     def _await_read(self, e: Entry, fut) -> None:
         if fut.done():
-            self._counters_add_locked(e, "prefetch_hits", 1)
+            with self._lock:
+                self._counters.add(e.scope.stats_id, "prefetch_hits", 1)
         else:
             start = time.perf_counter()
             with profiled("ssdtrain.stall.read"):
                 fut.exception()  # waits
             waited = time.perf_counter() - start
             with self._lock:
-                self._note_read_stall(waited)
-                self._counters.add(e.scope.stats_id, "prefetch_misses", 1)
-                self._counters.add(e.scope.stats_id, "read_stall_seconds", waited)
-                self._counters.add(e.scope.stats_id, "stall_seconds", waited)
+                self._window.stalled(_now(), waited)
+                self._budget.stalled(waited)
+                for field, amount in (("prefetch_misses", 1), ("read_stall_seconds", waited), ("stall_seconds", waited)):
+                    self._counters.add(e.scope.stats_id, field, amount)
         err = fut.exception()
-        if err is not None:
-            with self._lock:
-                self._counters.add(e.scope.stats_id, "failed_reads", 1)
-                if e.read_future is fut:
-                    e.read_future = e.read_buf = None
-                    self._counters.resident(-e.nbytes)
-            raise StorageError(getattr(err, "errno", None) or 5,
-                               f"ssdtrain could not read a saved activation back ({err}); "
-                               "the backward pass cannot continue with missing data") from err
-        self._counters_add_locked(e, "read_bytes", e.nbytes)
-
-    def _counters_add_locked(self, e: Entry, field: str, amount: float) -> None:
         with self._lock:
-            self._counters.add(e.scope.stats_id, field, amount)
+            if err is None:
+                self._counters.add(e.scope.stats_id, "read_bytes", e.nbytes)
+                return
+            self._counters.add(e.scope.stats_id, "failed_reads", 1)
+            self._cache.read_failed(e, fut)
+        raise StorageError(getattr(err, "errno", None) or 5,
+                           f"ssdtrain could not read a saved activation back ({err}); "
+                           "the backward pass cannot continue with missing data") from err
 
     def _make_endurance(self):
         if self.backend not in ("posix", "kvikio"):
             return None
-        try:
-            from ssdtrain.endurance import EnduranceMonitor
-        except ImportError:
-            return None
+        from ssdtrain.endurance import EnduranceMonitor
+
         return EnduranceMonitor(list(self.config.paths), self.config.rated_tbw, self.config.endurance_horizon_days)
+
+
+def _model_list(model: Any) -> list[nn.Module]:
+    if model is None:
+        return []
+    if isinstance(model, nn.Module):
+        return [model]
+    if isinstance(model, (list, tuple)) and model and all(isinstance(m, nn.Module) for m in model):
+        return list(model)  # model chunks (interleaved pipelines), first layers first
+    raise TypeError(f"model must be an nn.Module, a list of them (model chunks), or None; not {type(model).__name__}")
+
+
+def _named_module(models: list[nn.Module], name: str) -> nn.Module:
+    for m in models:
+        try:
+            return m.get_submodule(name)
+        except AttributeError:
+            continue
+    raise ValueError(f"keep_modules: no submodule {name!r} in the model; give dotted names as in "
+                     "model.named_modules() (e.g. 'lm_head'), or the modules themselves")
+
+
+def _is_weight_cast(t: torch.Tensor) -> bool:
+    """A low-precision copy of a parameter (autograd's cast cache, ``w.half()``): kept, like the
+    parameter itself; it is made once per forward and is not an activation."""
+    fn = t.grad_fn
+    if fn is None or type(fn).__name__ != "ToCopyBackward0":
+        return False
+    nxt = fn.next_functions
+    return bool(nxt) and nxt[0][0] is not None and type(nxt[0][0]).__name__ == "AccumulateGrad"
+
+
+def _bump(depth: list[int], delta: int, module: nn.Module, *args: Any) -> None:
+    depth[0] = max(0, depth[0] + delta)
 
 
 class _LayerTracker:
@@ -769,15 +657,44 @@ class _LayerTracker:
             self.stack.pop()
 
 
-def _shutdown(backend: Backend, handles: list) -> None:
+def _shutdown(writer: WriteQueue, backend: Backend, handles: list) -> None:
     for h in handles:
         h.remove()
     handles.clear()
+    writer.close()
     backend.close()
 
 
-def offload(model: nn.Module | None = None, **overrides: Any) -> Offloader:
-    """Shorthand for ``Offloader(model, **overrides)``."""
+class _Disabled:
+    """What ``offload(..., enabled=False)`` returns: the Offloader's surface, doing nothing."""
+
+    backend = "disabled"
+
+    def __enter__(self) -> _Disabled:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    @contextlib.contextmanager
+    def microbatch(self, mb_id: Any) -> Iterator[_Disabled]:
+        yield self
+
+    def prefetch(self, mb_id: Any) -> None: ...
+    def wait(self) -> None: ...
+    def reset_peak(self) -> None: ...
+    def close(self) -> None: ...
+
+    def stats(self) -> OffloadStats:
+        return OffloadStats(backend="disabled")
+
+
+def offload(model: nn.Module | None = None, *, enabled: bool = True, **overrides: Any) -> Offloader:
+    """``Offloader(model, **overrides)``; with ``enabled=False`` an object with the same surface
+    that offloads nothing (settings are still checked), so that a flag can switch it."""
+    if not enabled:
+        OffloadConfig.from_dict({k: v for k, v in overrides.items() if k != "keep_modules"})
+        return _Disabled()  # type: ignore[return-value]
     return Offloader(model, **overrides)
 
 

@@ -1,7 +1,8 @@
-"""When to keep, and what to read ahead: layer scopes, micro-batch scopes, the prefetch window.
+"""When to keep, and what to read ahead: micro-batch scopes, the read-ahead window, the write budget.
 
-Pure bookkeeping over :class:`~ssdtrain.cache.Entry` objects; the engine calls it under its lock
-and performs whatever I/O it decides.
+Plain objects over :class:`~ssdtrain.cache.Entry` objects, with no threads and no I/O: the engine
+calls them under its lock, feeds them the times and byte counts it measured, and performs
+whatever I/O they decide. Their tests drive them with made-up clocks and numbers.
 """
 
 from __future__ import annotations
@@ -12,7 +13,23 @@ from torch import nn
 
 from ssdtrain.cache import Entry, State
 
-__all__ = ["Scope", "find_blocks"]
+__all__ = ["Scope", "ReadWindow", "WriteBudget", "find_blocks"]
+
+# Note [a window as small as the drive allows]: the share of a period that backward may wait on
+# reads before the read-ahead window doubles (at the next backward pass), and the share that
+# doubles it at once. A wait is time the step loses outright, while the memory a larger window
+# holds is bounded by ``prefetch_bytes``; so the budget is a quarter of a percent. At 1% the
+# bench model settled on a 32 MiB window and waited 0.7% of every step; at 0.25% the median
+# step waits for nothing.
+STALL_BUDGET = 0.0025
+STALL_RUSH = 0.10
+# Note [write only what comes back in time]: a step whose reads kept backward waiting for more
+# than this share of it was sent more than the drive can return: the write budget shrinks.
+# Smaller waits are the read-ahead window's to fix (it grows); a drive that cannot carry the
+# bytes makes backward wait far longer than this, at every step.
+DRIVE_BOUND = 0.01
+BUDGET_GROWTH = 1.10
+BUDGET_FLOOR = 0.5  # at most halve the budget at once: one slow step must not zero it
 
 class Scope:
     """One micro-batch (or one ``with off:`` step): its saves in pack order, its backward state.
@@ -51,15 +68,15 @@ class Scope:
         for e in self.order:
             e.counted_ahead = False
 
-    def advance(self, layer: int | None, *, max_bytes: int, max_layers: int) -> list[Entry]:
+    def advance(self, layer: int | None, *, max_bytes: int, max_layers: int | None) -> list[Entry]:
         """Entries to read now: the next ones, going down the pack order from the cursor.
 
         Backward needs entries roughly in reverse pack order. The cursor never jumps to where
         backward is: a save needed out of order (an input saved first and used last, a dedup'd
         tensor) must not make the window skip everything between; entries it has passed and
-        not read are read on demand. The window holds at most
-        ``max_bytes`` read ahead and unused and, with block tags, reaches at most ``max_layers``
-        blocks below the running ``layer``. Amortised O(1): the cursor only moves down.
+        not read are read on demand. The window holds at most ``max_bytes`` read ahead and
+        unused and, with block tags and ``max_layers`` set, reaches at most ``max_layers`` blocks
+        below the running ``layer``. Amortised O(1): the cursor only moves down.
         """
         if layer is None:
             # Above the blocks (head, loss): the window counts from the top block.
@@ -67,7 +84,7 @@ class Scope:
         picked: list[Entry] = []
         while self.cursor >= 0 and self.ahead < max_bytes:
             e = self.order[self.cursor]
-            if layer is not None and e.layer is not None and e.layer < layer - max_layers:
+            if max_layers is not None and layer is not None and e.layer is not None and e.layer < layer - max_layers:
                 break
             self.cursor -= 1
             if e.refs <= 0 or e.error is not None:
@@ -93,6 +110,103 @@ class Scope:
 
     def __repr__(self) -> str:
         return f"Scope({self.id!r}, {len(self.order)} entries)"
+
+
+class ReadWindow:
+    """How many bytes backward may hold read ahead of need.
+
+    Two parts. A *window* sized by the drive: Note [a window as small as the drive allows]. It
+    starts at ``floor`` and is resized once per backward pass from what the period before cost:
+    doubled (up to ``cap``) when backward waited on reads for more than ``STALL_BUDGET`` of it,
+    shrunk by a quarter after a period with no wait; a drive far too slow for it doubles it at
+    once (``STALL_RUSH``). And the room backward has *freed*: Note [reads never raise the
+    peak]. Saved bytes resident when a backward pass begins are the step's peak; as backward
+    uses and frees them, reads may fill the same room, so a slow drive starts reading long
+    before the tensors are needed, at no cost in peak memory.
+    """
+
+    def __init__(self, floor: int, cap: int, now: float) -> None:
+        self.floor = self.bytes = min(floor, cap)
+        self.cap = cap
+        self.ceiling = 0
+        self._start = now
+        self._stall = 0.0
+        self._misses = 0
+        self._last = 0.0
+
+    def begin_pass(self, now: float, resident: int) -> None:
+        """A backward pass begins with ``resident`` saved bytes in memory."""
+        elapsed = now - self._start
+        if self._stall > STALL_BUDGET * elapsed:
+            self.bytes = min(2 * self.bytes, self.cap)
+        elif self._misses == 0:
+            self.bytes = max(self.floor, self.bytes - self.bytes // 4)
+        self._start, self._stall, self._misses, self._last = now, 0.0, 0, elapsed
+        self.ceiling = resident
+
+    def stalled(self, now: float, waited: float) -> None:
+        """Backward waited ``waited`` seconds for a read."""
+        self._misses += 1
+        self._stall += waited
+        # Against the last pass's length too: waits right after a pass starts are common.
+        if self._stall > STALL_RUSH * max(now - self._start, self._last):
+            self.bytes = min(2 * self.bytes, self.cap)
+            self._start, self._stall = now, 0.0
+
+    def limit(self, resident: int, ahead: int) -> int:
+        """Bytes a scope may hold read ahead, with ``resident`` saved bytes in memory of which
+        ``ahead`` are read ahead already."""
+        if self.cap == 0:
+            return 0  # prefetch_bytes=0: no read-ahead at all
+        return self.bytes + max(0, self.ceiling - (resident - ahead))
+
+
+class WriteBudget:
+    """How many bytes a step may send to the drive: Note [write only what comes back in time].
+
+    Writes are queued in pack order and those still queued when backward begins are cancelled,
+    so a step never writes more than the drive takes during forward. What it writes must also
+    come back before backward needs it. That is learned, with no profiling pass: a step whose
+    backward waited on reads for more than ``DRIVE_BOUND`` of it had sent too much, and the
+    next steps may send less (in proportion to the wait, at most halved at once); a step that
+    was held back by the budget and did not wait lets it grow by a tenth. The earliest saves
+    of a step use the budget first: backward needs them last, which leaves their reads the
+    most time.
+    """
+
+    def __init__(self, now: float, step: int) -> None:
+        self.limit: int | None = None  # None: no limit learned (yet)
+        self.step = step  # the smallest change worth making (a request)
+        self.sent = 0
+        self.bound = False
+        self._start = now
+        self._stall = 0.0
+        self._written = 0
+
+    def allows(self, nbytes: int) -> bool:
+        """Whether a write of ``nbytes`` fits this step's budget (and counts it if so)."""
+        if self.limit is not None and self.sent + nbytes > self.limit:
+            self.bound = True
+            return False
+        self.sent += nbytes
+        return True
+
+    def stalled(self, waited: float) -> None:
+        self._stall += waited
+
+    def written(self, nbytes: int) -> None:
+        self._written += nbytes
+
+    def new_step(self, now: float) -> None:
+        """A step's forward begins: learn from the step before it (its forward and backward)."""
+        period = now - self._start
+        if period > 0 and self._stall > DRIVE_BOUND * period:
+            base = self._written if self.limit is None else min(self.limit, self._written)
+            shrink = max(BUDGET_FLOOR, 1.0 - 2.0 * self._stall / period)
+            self.limit = int(base * shrink) // self.step * self.step
+        elif self.limit is not None and self.bound and self._stall <= STALL_BUDGET * period:
+            self.limit = int(self.limit * BUDGET_GROWTH) + self.step
+        self._start, self._stall, self._written, self.sent, self.bound = now, 0.0, 0, 0, False
 
 
 def find_blocks(model: nn.Module, dotted: str | None) -> list[nn.Module]:

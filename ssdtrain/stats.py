@@ -27,8 +27,14 @@ class OffloadStats:
     read_bytes: int = 0
     """Bytes read back from storage."""
     kept_bytes: int = 0
-    """Bytes never written: below ``min_bytes``, in the last ``keep_last_layers`` blocks, kept
-    under backpressure (``when_full="keep"``) or after a failed write (``on_error="keep"``)."""
+    """Bytes never written: below ``min_bytes``, in the last ``keep_last_layers`` blocks or in
+    ``keep_modules``, over the write budget, kept under backpressure (``when_full="keep"``) or
+    after a failed write (``on_error="keep"``)."""
+    budget_kept_bytes: int = 0
+    """Of those, bytes kept because the drive could not have carried them back in time (the
+    write budget, learned from backward's waits)."""
+    write_budget_bytes: int | None = None
+    """Bytes a step may write now; ``None`` while no limit was needed."""
     forwarded_bytes: int = 0
     """Bytes handed back to backward from memory with no read (their write cancelled or done)."""
     adaptive_keep_bytes: int = 0
@@ -53,9 +59,13 @@ class OffloadStats:
     prefetch_misses: int = 0
     """Unpacks that had to wait for (or issue) their read."""
     prefetch_window_bytes: int = 0
-    """Bytes backward reads ahead now: starts small, doubles when backward waited on reads for
-    more than 1% of a step, shrinks after a step with no wait; at most prefetch_bytes."""
+    """The read-ahead window now: starts at 16 MiB, doubles when backward waited on reads for more
+    than 0.25% of a step, shrinks after a step with no wait; at most ``prefetch_bytes``. Reads
+    also fill memory backward has freed (never above the saved bytes resident when it began)."""
     failed_writes: int = 0
+    lost_bytes: int = 0
+    """Drive space never reused because a KeyboardInterrupt came while its write was handed
+    over (a late write could have landed on the next owner's bytes); given back at close()."""
     failed_reads: int = 0
     live_entries: int = 0
     """Distinct storages currently referenced by saved tensors."""
@@ -77,7 +87,7 @@ class OffloadStats:
 
 
 _SCOPE_FIELDS = ("saved_bytes", "unique_bytes", "written_bytes", "read_bytes", "kept_bytes", "forwarded_bytes",
-                 "adaptive_keep_bytes", "stall_seconds", "prefetch_hits", "prefetch_misses")
+                 "adaptive_keep_bytes", "budget_kept_bytes", "stall_seconds", "prefetch_hits", "prefetch_misses")
 
 
 class Counters:

@@ -11,7 +11,7 @@ import tempfile
 import torch
 
 import ssdtrain
-from ssdtrain.models import GPT, GPTConfig
+from ssdtrain.bench.models import GPT, GPTConfig
 
 
 def rss() -> int:
@@ -28,7 +28,7 @@ def main() -> None:
     off = None
     if mode == "offload":
         off = ssdtrain.Offloader(model, path=tempfile.mkdtemp(), min_bytes=0, max_inflight_bytes="4MiB",
-                                 prefetch_bytes="4MiB")
+                                 prefetch_bytes="4MiB", when_full="wait")
     for step in range(2):  # the first step warms allocator and kernels
         before = rss()
         if off is None:

@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import ssdtrain
-from ssdtrain.models import GPT, GPTConfig
+from ssdtrain.bench.models import GPT, GPTConfig
 
 from _equiv import assert_same, check_equivalent, step
 

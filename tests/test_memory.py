@@ -8,7 +8,7 @@ import sys
 import torch
 
 import ssdtrain
-from ssdtrain.models import GPT, GPTConfig
+from ssdtrain.bench.models import GPT, GPTConfig
 
 HERE = os.path.dirname(__file__)
 
@@ -19,7 +19,7 @@ def test_peak_resident_is_a_quarter_of_unique_bytes(off_dir):
     model = GPT(cfg)
     tok = torch.randint(0, cfg.vocab, (4, cfg.seq))
     off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, keep_last_layers=0,
-                             max_inflight_bytes="2MiB", prefetch_bytes="2MiB")
+                             max_inflight_bytes="2MiB", prefetch_bytes="2MiB", when_full="wait")
     for _ in range(2):
         before = off.stats()
         off.reset_peak()

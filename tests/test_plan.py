@@ -189,7 +189,7 @@ def _measure_saved_bytes(model, tokens, targets):
 def test_estimate_within_15_percent_of_real_saved_bytes(flash):
     """Variant compared: fp32 (d=4), no dropout, SDPA flash (no s^2 term) or naive attention."""
     torch = pytest.importorskip("torch")
-    from ssdtrain.models import GPT, GPTConfig
+    from ssdtrain.bench.models import GPT, GPTConfig
 
     cfg = GPTConfig(vocab=256, seq=128, layers=3, hidden=64, heads=4, flash=flash)
     b = 2

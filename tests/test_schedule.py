@@ -7,10 +7,9 @@ import torch
 from torch import nn
 
 import ssdtrain
-import ssdtrain.offloader as offloader_mod
 import ssdtrain.store.posix as posix
-from ssdtrain.models import GPT, GPTConfig
-from ssdtrain.schedule import find_blocks
+from ssdtrain.bench.models import GPT, GPTConfig
+from ssdtrain.schedule import ReadWindow, WriteBudget, find_blocks
 
 from _equiv import assert_same, step
 
@@ -175,7 +174,6 @@ def _slow_writes(monkeypatch, delay=0.02):
         return real(fd, buf, offset)
 
     monkeypatch.setattr(posix, "_pwrite", slow)
-    monkeypatch.setenv("SSDTRAIN_IO_ENGINE", "threads")  # the ring does not go through the seam
 
 
 @pytest.mark.parametrize("when_full", ["wait", "keep"])
@@ -229,24 +227,21 @@ def test_profiler_ranges(off_dir):
     off.close()
 
 
-def test_window_grows_with_waiting_and_shrinks_without(monkeypatch):
-    """Note [a window as small as the drive allows], on a fake clock: a pass that waited on
+def test_window_grows_with_waiting_and_shrinks_without():
+    """Note [a window as small as the drive allows], on a made-up clock: a pass that waited on
     reads for more than 0.25% of its time doubles the window for the next one, small waits keep
     it, none shrinks it by a quarter down to where it started; waits that add up to 10% of the
     last pass double it at once."""
     clock = [1000.0]
-    monkeypatch.setattr(offloader_mod, "_now", lambda: clock[0])
-    off = ssdtrain.Offloader(backend="memory", prefetch_bytes="128MiB")
-    w0 = off.stats().prefetch_window_bytes
-    assert w0 == 16 << 20
+    w0 = 16 << 20
+    win = ReadWindow(w0, 128 << 20, clock[0])
 
     def backward_pass(seconds, stalls=()):
         """The window this pass reads ahead with; then it waits ``stalls`` and lasts ``seconds``."""
-        with off._lock:
-            off._resize_window()  # what the start of a backward pass does
-            window = off._window
-            for stall in stalls:
-                off._note_read_stall(stall)
+        win.begin_pass(clock[0], 0)
+        window = win.bytes
+        for stall in stalls:
+            win.stalled(clock[0], stall)
         clock[0] += seconds
         return window
 
@@ -260,14 +255,55 @@ def test_window_grows_with_waiting_and_shrinks_without(monkeypatch):
     for _ in range(8):
         backward_pass(2.0, [0.1])
     assert backward_pass(2.0) == 128 << 20            # at most prefetch_bytes
-    with off._lock:
-        off._resize_window()
-        off._window = w0
-        off._note_read_stall(0.1)                     # 5% of the last pass: wait for the pass
-        assert off._window == w0
-        off._note_read_stall(0.15)                    # 12.5%: now
-        assert off._window == 2 * w0
-    off.close()
+    win.begin_pass(clock[0], 0)
+    win.bytes = w0
+    win.stalled(clock[0], 0.1)                        # 5% of the last pass: wait for the pass
+    assert win.bytes == w0
+    win.stalled(clock[0], 0.15)                       # 12.5%: now
+    assert win.bytes == 2 * w0
+
+
+def test_reads_fill_what_backward_freed_never_above_its_start():
+    """Note [reads never raise the peak]: the room to read ahead is the window plus whatever
+    backward has freed of the saved bytes resident when it began."""
+    win = ReadWindow(16, 64, 0.0)
+    win.begin_pass(1.0, 1000)          # backward begins with 1000 saved bytes resident
+    assert win.limit(1000, 0) == 16    # nothing freed yet: the window alone
+    assert win.limit(600, 0) == 416    # 400 freed: the window and those 400
+    assert win.limit(900, 300) == 416  # 300 of the 900 resident are reads ahead: the same room
+    assert win.limit(1200, 0) == 16    # more than at the start (pipelines): never less than the window
+    assert ReadWindow(16, 0, 0.0).limit(0, 0) == 0  # prefetch_bytes=0: no read-ahead at all
+
+
+def test_write_budget_shrinks_when_backward_waits_and_grows_back():
+    """Note [write only what comes back in time], on made-up steps of 10 s: a step whose
+    backward waited more than 1% of it sends less next time (in proportion to the wait, at
+    most halved); a step held back by the budget that did not wait lets it grow by a tenth."""
+    step = 1 << 20
+    b = WriteBudget(0.0, step)
+    t = 0.0
+
+    def run(sent, stall):
+        """One step: offers ``sent`` bytes in 1 MiB saves, waits ``stall`` s; returns the bytes allowed."""
+        nonlocal t
+        allowed = sum(step for _ in range(sent // step) if b.allows(step))
+        b.written(allowed)
+        b.stalled(stall)
+        t += 10.0
+        b.new_step(t)
+        return allowed
+
+    assert run(800 * step, 0.05) == 800 * step and b.limit is None   # 0.5%: the window's to fix
+    assert run(800 * step, 2.0) == 800 * step                      # 20% waited: ...
+    assert b.limit == 480 * step                                   # ... 40% less (1 - 2 * 0.2)
+    assert run(800 * step, 9.0) == 480 * step                      # 90% waited: ...
+    assert b.limit == 240 * step                                   # ... at most halved
+    assert run(800 * step, 0.0) == 240 * step
+    assert b.limit == 264 * step + step                            # no wait, held back: +10%
+    grown = [run(800 * step, 0.0) for _ in range(30)]
+    assert grown == sorted(grown) and grown[-1] == 800 * step      # back to all, as the drive allows
+    limit = b.limit
+    assert run(100 * step, 0.0) == 100 * step and b.limit == limit  # not held back: unchanged
 
 
 def test_the_last_save_is_kept_for_backward(off_dir):

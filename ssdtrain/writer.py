@@ -1,0 +1,181 @@
+"""The write queue: writes waiting in pack order, the bytes in flight, backpressure, completion.
+
+Pack hands entries to :class:`WriteQueue` (through :meth:`WriteQueue.hold`) and
+:meth:`WriteQueue.pump` moves them to the backend, a few at a time: from pack, and again from
+each write's completion, so the drive never idles while writes wait (not until the next save,
+which may come a long op later). Every count lives under the engine's lock, which the queue
+shares (its condition is its own), so that an entry's state and the counts change together.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import deque
+from collections.abc import Iterable
+from functools import partial
+from typing import Any
+
+from ssdtrain.cache import Cache, Entry, State
+from ssdtrain.store import Backend
+
+__all__ = ["WriteQueue"]
+
+
+class WriteQueue:
+    """Writes of offloaded entries, oldest first, at most ``max_inflight_bytes`` of them.
+
+    Args:
+        backend: where the bytes go.
+        cache: the entries' owner (their state changes go through it).
+        lock: the engine's lock; every method but :meth:`close` is called with it held, except
+            where it says otherwise.
+        max_inflight_bytes: bytes queued or being written, at most (``when_full`` decides what
+            pack does at that cap; see :meth:`has_room` and :meth:`wait_for_room`).
+        max_writing_bytes: bytes handed to the backend at once: enough to keep every I/O thread
+            busy, few enough that the rest stays queued, cancellable when backward wants it
+            first (adaptive keep), and not in the way of reads.
+        verify: checksum each write.
+        on_done: called under the lock when a write finished, with the entry and the error
+            (``None`` on success), after the counts are settled.
+    """
+
+    def __init__(self, backend: Backend, cache: Cache, lock: threading.Lock, *, max_inflight_bytes: int,
+                 max_writing_bytes: int, verify: bool, on_done: weakref.WeakMethod) -> None:
+        self._backend = backend
+        self._cache = cache
+        self._cond = threading.Condition(lock)
+        self._max_inflight = max_inflight_bytes
+        self._max_writing = max_writing_bytes
+        self._verify = verify
+        self._on_done = on_done  # a weak method: the queue must not keep the offloader alive
+        self._queue: deque[Entry] = deque()
+        self.inflight_bytes = 0  # queued (held too) or being written
+        self.writing = 0
+        self._writing_bytes = 0
+        self.completed: deque[Entry] = deque()  # written; memory released at a safe point
+
+    # -- pack's side (lock held) --------------------------------------------------------------
+    def hold(self, scope: Any, e: Entry) -> None:
+        """Queues ``e`` (QUEUED) as ``scope``'s last save, and the save held before it for real.
+
+        Note [the last save waits]: a write starts only once the next save came. The last save
+        of a forward is what backward needs first; had its write already started, the bytes
+        would go to the drive only to be handed back from memory. When backward begins the
+        held write is cancelled like any other queued one (adaptive keep). It is queued after
+        all when another forward starts first (pipelines), on ``wait()``, and when pack waits
+        for room.
+        """
+        self.inflight_bytes += e.nbytes
+        if scope.held is not None:
+            self._enqueue(scope.held)
+        scope.held = e
+
+    def release_held(self, scopes: Iterable[Any]) -> None:
+        """The held last saves of ``scopes`` join the queue."""
+        for scope in scopes:
+            if scope.held is not None:
+                self._enqueue(scope.held)
+                scope.held = None
+
+    def _enqueue(self, e: Entry) -> None:
+        self._queue.append(e)
+
+    def has_room(self, nbytes: int) -> bool:
+        return not self.inflight_bytes or self.inflight_bytes + nbytes <= self._max_inflight
+
+    def wait_for_room(self, nbytes: int, scopes: Iterable[Any]) -> None:
+        """Note [bounded memory in flight]: blocks (lock released) until ``nbytes`` more fit."""
+        self.release_held(scopes)  # they count as in flight: let them go
+        while not self.has_room(nbytes):
+            if not self.writing:  # nothing in flight to wait for: start queued writes
+                self._cond.release()
+                try:
+                    self.pump()
+                finally:
+                    self._cond.acquire()
+                continue
+            self._cond.wait(1.0)
+
+    def cancel(self, e: Entry) -> None:
+        """A queued write is not needed (backward wants the tensor first): the entry is kept."""
+        self._cache.cancel(e)
+        self.inflight_bytes -= e.nbytes
+        self._cond.notify_all()
+
+    def forget(self, e: Entry) -> None:
+        """A queued entry died before its write started."""
+        self.inflight_bytes -= e.nbytes
+        self._cond.notify_all()
+
+    def idle(self) -> bool:
+        return not self.writing and not any(e.state is State.QUEUED for e in self._queue)
+
+    def wait(self, timeout: float) -> None:
+        self._cond.wait(timeout)
+
+    # -- submission (lock NOT held) -------------------------------------------------------
+    def pump(self) -> None:
+        """Starts queued writes, oldest first, up to ``max_writing_bytes`` in flight."""
+        with self._cond:
+            batch = []
+            while self._queue and (not self.writing or self._writing_bytes < self._max_writing):
+                e = self._queue.popleft()
+                if e.state is State.QUEUED:
+                    self._cache.start_write(e)
+                    self.writing += 1
+                    self._writing_bytes += e.nbytes
+                    batch.append((e, e.data))
+        for i, (e, src) in enumerate(batch):
+            try:
+                fut = self._backend.submit_write(e.extent, src, checksum=self._verify, ready=e.fence)
+                fut.add_done_callback(partial(self._finish, e))
+            except Exception as err:  # the pool is gone (closing) or the backend refused
+                self._finish(e, None, err)
+            except BaseException:
+                self._interrupted([e for e, _ in batch[i:]])
+                raise
+
+    def _interrupted(self, entries: list[Entry]) -> None:
+        """Note [an interrupt never unbalances a count]: a KeyboardInterrupt came while these
+        writes were being handed over. The first may have reached the backend, with no one to
+        hear it finish: its extent is never reused (a late write would land on the next owner's
+        bytes) and its entry is kept in memory; the others go back to the queue."""
+        with self._cond:
+            first, rest = entries[0], entries[1:]
+            for e in (first, *rest):
+                self.writing -= 1
+                self._writing_bytes -= e.nbytes
+            self._cache.lose_extent(first)
+            self.inflight_bytes -= first.nbytes
+            for e in reversed(rest):
+                e.state = State.QUEUED
+                self._queue.appendleft(e)
+            self._cond.notify_all()
+
+    def _finish(self, e: Entry, fut, err: BaseException | None = None) -> None:
+        """On an I/O thread (or the submitter), when a write finished."""
+        if fut is not None:
+            err = fut.exception()
+        with self._cond:
+            self.writing -= 1
+            self._writing_bytes -= e.nbytes
+            self.inflight_bytes -= e.nbytes
+            if err is None and self._cache.written(e, fut.result()):
+                self.completed.append(e)
+            on_done = self._on_done()
+            if on_done is not None:
+                on_done(e, err)
+            self._cond.notify_all()
+        self.pump()
+
+    # -- shutdown (lock NOT held) ------------------------------------------------------------
+    def close(self) -> None:
+        """Cancels what has not started and waits for what has."""
+        with self._cond:
+            for e in self._queue:
+                if e.state is State.QUEUED:
+                    self.cancel(e)
+            self._queue.clear()
+            while self.writing:
+                self._cond.wait(1.0)
