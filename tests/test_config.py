@@ -1,6 +1,7 @@
 """Bad input is refused at construction, with a message that names the field and what to do."""
 
 import os
+import stat
 
 import pytest
 import torch
@@ -29,11 +30,100 @@ from ssdtrain.config import parse_bytes
     ("layers", "", "layers=''"),
     ("rated_tbw", -1, "rated_tbw=-1"),
     ("endurance_horizon_days", 0, "endurance_horizon_days=0"),
+    # Past the upper bounds, or not numbers at all: refused by name, never an OverflowError.
+    ("min_bytes", 10**30, "min_bytes=1000000000000000000000000000000 is more than 1 PiB"),
+    ("max_inflight_bytes", "1" * 400, "max_inflight_bytes='1111"),
+    ("prefetch_bytes", "1e400", "prefetch_bytes='1e400' is not a size"),
+    ("min_bytes", "2PiB", "min_bytes='2PiB' is not a size"),
+    ("prefetch_bytes", "1025TiB", "prefetch_bytes='1025TiB' is more than 1 PiB"),
+    ("chunk_bytes", "2GiB", "chunk_bytes='2GiB' is more than 1 GiB"),
+    ("io_threads", 10**6, "io_threads=1000000 must be an integer from 1 to 64"),
+    ("io_threads", 65, "io_threads=65"),
+    ("prefetch_layers", 1025, "prefetch_layers=1025 must be an integer from 0 to 1024"),
+    ("keep_last_layers", 2**21, "keep_last_layers=2097152"),
+    ("rated_tbw", float("inf"), "rated_tbw=inf must be a finite number"),
+    ("rated_tbw", float("nan"), "rated_tbw=nan"),
+    ("rated_tbw", 2e6, "rated_tbw=2000000.0"),
+    ("endurance_horizon_days", float("inf"), "endurance_horizon_days=inf"),
+    ("endurance_horizon_days", 36501, "endurance_horizon_days=36501"),
+    ("direct_io", 0, "direct_io=0 must be True, False or None"),
+    ("direct_io", 0.0, "direct_io=0.0"),
+    ("direct_io", 1, "direct_io=1"),
+    ("direct_io", "yes", "direct_io='yes'"),
+    ("create_path", 1, "create_path=1"),
+    ("backend", ["posix"], "backend=['posix']"),
+    ("path", "/tmp/a\0b", "contains a NUL byte"),
+    ("path", ["/tmp/ok", "/tmp/a\0b"], "path=['/tmp/ok', '/tmp/a\\x00b']"),
+    ("path", "/tmp/" + "x" * 256, "is 256 bytes long; the limit is 255"),
+    ("path", "/tmp/" + "/".join(["d" * 200] * 21), "bytes long; the limit is 4095"),
+    ("path", "/tmp/\ud800", "cannot be encoded"),
+    ("path", b"/tmp", "path=b'/tmp' must be a directory"),
+    ("path", [b"/tmp"], "is not a directory name"),
 ])
 def test_invalid_field_is_named(field, value, words):
     with pytest.raises(ValueError) as info:
         OffloadConfig(**{field: value})
     assert words in str(info.value)
+    assert f"{field}=" in str(info.value)
+
+
+def test_a_huge_integer_is_refused_without_printing_it():
+    with pytest.raises(ValueError, match=r"prefetch_bytes=<an integer of 16610 bits> is more than 1 PiB"):
+        OffloadConfig(prefetch_bytes=10**5000)
+
+
+def test_bounds_are_inclusive():
+    cfg = OffloadConfig(min_bytes="1024TiB", chunk_bytes="1GiB", io_threads=64, prefetch_layers=1024,
+                        keep_last_layers=2**20, rated_tbw=1e6, endurance_horizon_days=36500, direct_io=False,
+                        path="/tmp/" + "x" * 255)
+    assert cfg.min_bytes == 1 << 50 and cfg.chunk_bytes == 1 << 30 and cfg.direct_io is False
+    assert parse_bytes("1" * 16) == 1111111111111111
+    assert parse_bytes("0.5KiB") == 512
+
+
+@pytest.mark.parametrize("var, value", [
+    ("SSDTRAIN_IO_THREADS", "lots"),
+    ("SSDTRAIN_IO_THREADS", "4.0"),
+    ("SSDTRAIN_IO_THREADS", "0"),
+    ("SSDTRAIN_IO_THREADS", "1000000"),
+    ("SSDTRAIN_IO_THREADS", "9" * 400),
+    ("SSDTRAIN_CHUNK_BYTES", "garbage"),
+    ("SSDTRAIN_CHUNK_BYTES", "1000"),
+    ("SSDTRAIN_CHUNK_BYTES", "2GiB"),
+    ("SSDTRAIN_CHUNK_BYTES", "9" * 400),
+    ("SSDTRAIN_BACKEND", "nvme"),
+    ("SSDTRAIN_PATH", os.pathsep),
+    ("SSDTRAIN_PATH", "/tmp/" + "x" * 300),
+    ("SSDTRAIN_DIRECT_IO", "maybe"),
+])
+def test_invalid_environment_variable_is_named(monkeypatch, var, value):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError) as info:
+        OffloadConfig()
+    assert f"environment variable {var}=" in str(info.value)
+
+
+def test_environment_values_within_bounds(monkeypatch):
+    monkeypatch.setenv("SSDTRAIN_IO_THREADS", " 64 ")
+    monkeypatch.setenv("SSDTRAIN_CHUNK_BYTES", "1GiB")
+    monkeypatch.setenv("SSDTRAIN_BACKEND", "memory")
+    cfg = OffloadConfig()
+    assert cfg.io_threads == 64 and cfg.chunk_bytes == 1 << 30 and cfg.backend == "memory"
+    monkeypatch.setenv("SSDTRAIN_IO_THREADS", "")  # empty: the default, as if unset
+    assert OffloadConfig().io_threads == min(4, max(2, os.cpu_count() or 2))
+
+
+def test_env_flag(monkeypatch):
+    from ssdtrain.config import env_flag
+
+    monkeypatch.delenv("SSDTRAIN_TEST_FLAG", raising=False)
+    assert env_flag("SSDTRAIN_TEST_FLAG") is False
+    for raw, want in [("1", True), ("ON", True), (" yes ", True), ("0", False), ("off", False), ("", False)]:
+        monkeypatch.setenv("SSDTRAIN_TEST_FLAG", raw)
+        assert env_flag("SSDTRAIN_TEST_FLAG") is want
+    monkeypatch.setenv("SSDTRAIN_TEST_FLAG", "garbage")
+    with pytest.raises(ValueError, match="environment variable SSDTRAIN_TEST_FLAG='garbage'"):
+        env_flag("SSDTRAIN_TEST_FLAG")
 
 
 def test_sizes_and_lists():
@@ -97,6 +187,40 @@ def test_path_missing(tmp_path):
     assert missing.is_dir()
     off.close()
     assert list(missing.iterdir()) == []
+
+
+def _tree(root):
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("tail", [
+    os.path.join("a", "b", "x" * 256),  # a component over NAME_MAX
+    os.path.join(*["d" * 200] * 21),  # over PATH_MAX
+    os.path.join("a", "b\0c"),
+])
+def test_refused_path_is_refused_before_creating_anything(tmp_path, tail):
+    with pytest.raises(ValueError, match="path="):
+        ssdtrain.Offloader(path=str(tmp_path / "root" / tail))
+    assert _tree(tmp_path) == []
+
+
+def test_refused_path_leaves_no_directory_it_created(tmp_path):
+    # The first path is created, the second cannot be: the first goes again.
+    new = tmp_path / "new" / "dir"
+    with pytest.raises(ValueError, match="cannot be created"):
+        ssdtrain.Offloader(path=[str(new), os.path.join(_read_only_dir(), "ssdtrain-nope", "deeper")])
+    assert _tree(tmp_path) == []
+
+
+def test_created_directories_are_private_whatever_the_umask(tmp_path):
+    path = tmp_path / "p1" / "p2" / "p3"
+    old = os.umask(0)
+    try:
+        ssdtrain.Offloader(path=str(path)).close()
+    finally:
+        os.umask(old)
+    for d in (tmp_path / "p1", tmp_path / "p1" / "p2", path):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
 
 
 def test_direct_io_required_where_unsupported(off_dir, monkeypatch):
