@@ -26,7 +26,7 @@ _WHERE = {
     "OffloadConfig": "ssdtrain.config",
     "Offloader": "ssdtrain.offloader",
     "offload": "ssdtrain.offloader",
-    "no_offload": "ssdtrain.offloader",
+    "no_offload": "ssdtrain.keep",
     "OffloadStats": "ssdtrain.stats",
     "StorageError": "ssdtrain.store.base",
     "ChecksumError": "ssdtrain.store.base",
@@ -34,7 +34,8 @@ _WHERE = {
 
 if TYPE_CHECKING:
     from ssdtrain.config import OffloadConfig
-    from ssdtrain.offloader import Offloader, no_offload, offload
+    from ssdtrain.keep import no_offload
+    from ssdtrain.offloader import Offloader, offload
     from ssdtrain.stats import OffloadStats
     from ssdtrain.store.base import ChecksumError, StorageError
 

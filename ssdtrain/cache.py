@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import weakref
+from collections import deque
 from typing import Any
 
 import torch
@@ -237,6 +238,8 @@ class Cache:
         self.counters = counters
         self.disk_bytes = 0
         self._free = free_extent  # backend.free
+        self.late_frees = 0  # extents of freed entries still being read into a dropped buffer
+        self.late_extents: deque = deque()  # ... and those whose read is done: freed at a safe point
 
     def new(self, id_: int, t: torch.Tensor, lo: int, hi: int, scope: Any, layer: int | None) -> Entry:
         """A new entry for ``t``'s bytes ``[lo, hi)``, KEPT (in memory) until it is queued."""
@@ -322,10 +325,26 @@ class Cache:
             self.counters.resident(-e.nbytes)
         if e.loaded is not None or e.read_future is not None:
             self.counters.resident(-e.nbytes)
-        if e.extent is not None and state is not State.WRITING and (
-                e.read_future is None or e.read_future.done()):
+        if e.extent is not None and e.read_future is not None and not e.read_future.done():
+            # The read still fills its buffer: give the extent back only when it is done. The
+            # callback only queues the extent: it may run on this thread, inside the lock, if
+            # the read completes between the check above and the callback's registration.
+            ext, late = e.extent, self.late_extents
+            e.extent = None
+            self.late_frees += 1
+            e.read_future.add_done_callback(lambda f: late.append(ext))
+        elif e.extent is not None and state is not State.WRITING:
             self.free_extent(e)
+        e.data = e.guard = e.loaded = e.read_buf = e.read_future = None
         return state
+
+    def free_late(self) -> None:
+        """Gives back the extents whose reads into dropped buffers are done."""
+        while self.late_extents:
+            extent = self.late_extents.popleft()
+            self.disk_bytes -= extent.length
+            self._free(extent)
+            self.late_frees -= 1
 
     def lose_extent(self, e: Entry) -> None:
         """A write may be in flight that no one will hear finish: the entry stays in memory

@@ -26,16 +26,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from ssdtrain import device
+from ssdtrain import device, keep
 from ssdtrain.cache import SPAN_ALIGN, Cache, Entry, Ref, State, byte_span, rebuild
 from ssdtrain.config import OffloadConfig
 from ssdtrain.schedule import ReadWindow, Scope, WriteBudget, find_blocks
 from ssdtrain.stats import Counters, OffloadStats
 from ssdtrain.store import Backend, StorageError, make_backend
 from ssdtrain.store._mem import profiled
+from ssdtrain.reader import Reader
 from ssdtrain.writer import WriteQueue
 
-__all__ = ["Offloader", "offload", "no_offload"]
+__all__ = ["Offloader", "offload"]
 
 log = logging.getLogger(__name__)
 _now = time.perf_counter  # a seam for tests
@@ -76,13 +77,13 @@ class Offloader:
         config = OffloadConfig.from_dict(overrides) if config is None else config.replace(**overrides)
         self.config = config
         self.model = model
-        self._models = _model_list(model)
+        self._models = keep.model_list(model)
         self._blocks = [b for m in self._models for b in find_blocks(m, config.layers)]
         if config.keep_last_layers and not self._blocks:
             raise ValueError(
                 f"keep_last_layers={config.keep_last_layers} needs blocks to count from: pass model= with an "
                 "nn.ModuleList of blocks (or layers='dotted.name'), or set keep_last_layers=0")
-        kept_modules = keep_objects + [_named_module(self._models, name) for name in config.keep_modules]
+        kept_modules = keep_objects + [keep.named_module(self._models, name) for name in config.keep_modules]
         self._backend: Backend = store if store is not None else make_backend(config)  # checks the paths
         self._pid = os.getpid()
         self._lock = threading.Lock()
@@ -95,10 +96,10 @@ class Offloader:
                                   max_writing_bytes=writing, verify=config.verify,
                                   on_done=weakref.WeakMethod(self._write_done))
         self._graveyard: deque = deque()
-        self._late_frees = 0  # extents of freed entries still being read into a dropped buffer
-        self._late_extents: deque = deque()  # ... and those whose read is done: free at a safe point
         self._window = ReadWindow(max(2 * config.chunk_bytes, 16 << 20), config.prefetch_bytes, _now())
         self._budget = WriteBudget(_now(), config.chunk_bytes)
+        self._reader = Reader(self._backend, self._cache, self._lock, self._window, self._budget,
+                              max_layers=config.prefetch_layers)
         self._ids = itertools.count()
         self._steps = itertools.count()
         self._scopes: dict[Any, Scope] = {}
@@ -112,13 +113,13 @@ class Offloader:
         self._closed = False
         self._hook_handles: list = []
         # The model must not keep the offloader alive (its finalizer closes it): hooks hold no self.
-        layers = _LayerTracker(self._layer_stack)
+        layers = keep.LayerTracker(self._layer_stack)
         for i, block in enumerate(self._blocks):
             self._hook_handles.append(block.register_forward_pre_hook(partial(layers.enter, i)))
             self._hook_handles.append(block.register_forward_hook(layers.leave, always_call=True))
         for m in kept_modules:  # Note [opted-out modules]: saves inside them stay in memory
-            self._hook_handles.append(m.register_forward_pre_hook(partial(_bump, self._keep_depth, 1)))
-            self._hook_handles.append(m.register_forward_hook(partial(_bump, self._keep_depth, -1), always_call=True))
+            self._hook_handles.append(m.register_forward_pre_hook(partial(keep.bump, self._keep_depth, 1)))
+            self._hook_handles.append(m.register_forward_hook(partial(keep.bump, self._keep_depth, -1), always_call=True))
         self._counters.total.backend = self._backend.describe()
         self._finalizer = weakref.finalize(self, _shutdown, self._writer, self._backend, self._hook_handles)
         self._endurance = self._make_endurance()
@@ -174,11 +175,11 @@ class Offloader:
             self._writer.release_held([s for s in self._scopes.values() if not s.backward_started])
         self._writer.pump()
         with self._lock:
-            while not self._writer.idle() or self._late_frees:
-                if self._late_extents:
-                    self._free_late()
+            while not self._writer.idle() or self._cache.late_frees:
+                if self._cache.late_extents:
+                    self._cache.free_late()
                 else:
-                    self._writer.wait(0.01 if self._late_frees else 1.0)
+                    self._writer.wait(0.01 if self._cache.late_frees else 1.0)
             armed = [s for s in self._scopes.values() if s.armed]
             for scope in armed:
                 # The window kept what it passed in memory; release it too. Writes that finished
@@ -189,7 +190,7 @@ class Offloader:
         self._safe_point(raise_errors=True)
         with self._lock:
             for scope in armed:
-                self._prefetch(scope, None)
+                self._reader.prefetch(scope, None)
 
     def stats(self) -> OffloadStats:
         """Counters since creation (see :class:`OffloadStats`)."""
@@ -309,33 +310,9 @@ class Offloader:
         return rec[1]
 
     # -- pack ---------------------------------------------------------------------------------
-    def _keeps_as_is(self, t: torch.Tensor) -> bool:
-        """Tensors that are not activations, or that we cannot store as bytes: returned to
-        autograd as they are."""
-        if type(t) is not torch.Tensor or t.layout is not torch.strided or t.is_inference():
-            return True  # parameters (nn.Parameter), tensor subclasses, sparse, inference tensors
-        if t.device.type not in ("cpu", "cuda") or t.numel() == 0 or t.is_quantized or t._is_zerotensor():
-            return True  # quantized: scales and zero points live outside the bytes
-        if self._keep_depth[0] > 0:
-            return True  # inside a module in keep_modules
-        base = t._base
-        if t.requires_grad and t.is_leaf and base is None:
-            return True  # a leaf that wants gradients lives anyway (a parameter in all but name)
-        if base is not None and (type(base) is not torch.Tensor or (base.requires_grad and base.is_leaf)):
-            return True  # a view of a parameter (e.g. weight.t() saved by mm)
-        if _is_weight_cast(base if base is not None else t):
-            return True
-        if device.is_cuda(t) and device.capturing():
-            raise RuntimeError("ssdtrain cannot offload inside CUDA graph capture (its I/O runs on the host); "
-                               "capture the graph outside the Offloader, or wrap it in ssdtrain.no_offload()")
-        try:
-            return t.untyped_storage()._cdata in self._pinned
-        except (RuntimeError, NotImplementedError):
-            return True  # no real storage (functional / fake tensors)
-
     def _pack(self, t: torch.Tensor) -> Any:
-        if self._keeps_as_is(t):
-            return _as_is(t)
+        if keep.as_is(t, self._pinned, self._keep_depth[0] > 0):
+            return keep.alias(t)
         with profiled("ssdtrain.pack"):
             self._check_open()
             self._safe_point(raise_errors=True)
@@ -434,7 +411,7 @@ class Offloader:
 
     # -- safe points -----------------------------------------------------------------------------
     def _safe_point(self, *, raise_errors: bool) -> None:
-        if self._graveyard or self._writer.completed or self._late_extents:
+        if self._graveyard or self._writer.completed or self._cache.late_extents:
             self._drain()
         if self._warnings:
             for msg in self._warnings:
@@ -453,7 +430,7 @@ class Offloader:
         check is exact; only then is the in-memory copy dropped.
         """
         with self._lock:
-            self._free_late()
+            self._cache.free_late()
             while self._graveyard:
                 e, gen = self._graveyard.popleft()
                 self._drop_ref(e, gen)
@@ -481,23 +458,6 @@ class Offloader:
             del self._scopes[scope.id]
         if self._cache.release(e) is State.QUEUED:
             self._writer.forget(e)
-        if e.extent is not None and e.read_future is not None:
-            # The read still fills its buffer: give the extent back only when it is done.
-            # The callback only queues the extent: it may run on this thread, inside this lock,
-            # if the read completes between the check in release() and this line.
-            ext, late = e.extent, self._late_extents
-            e.extent = None
-            self._late_frees += 1
-            e.read_future.add_done_callback(lambda f: late.append(ext))
-        e.data = e.guard = e.loaded = e.read_buf = e.read_future = None
-
-    def _free_late(self) -> None:
-        """Under the lock: gives back the extents whose reads into dropped buffers are done."""
-        while self._late_extents:
-            extent = self._late_extents.popleft()
-            self._cache.disk_bytes -= extent.length
-            self._backend.free(extent)
-            self._late_frees -= 1
 
     # -- unpack -------------------------------------------------------------------------------------
     def _unpack(self, ref: Any) -> torch.Tensor:
@@ -520,7 +480,7 @@ class Offloader:
                     # Unpacked again after every save of it was: a new backward pass (retain_graph).
                     scope.passes += 1
                     scope.restart()
-                self._prefetch(scope, e.layer)
+                self._reader.prefetch(scope, e.layer)
                 scope.used(e)
                 if e.data is not None:
                     if e.state is State.QUEUED:
@@ -537,12 +497,12 @@ class Offloader:
                 fut = None
                 if buf is None:
                     if e.read_future is None:
-                        self._issue_read(e)
+                        self._reader.issue(e)
                     fut, buf = e.read_future, e.read_buf
                 else:
                     self._counters.add(scope.stats_id, "prefetch_hits", 1)
             if fut is not None:
-                self._await_read(e, fut)
+                self._reader.wait(e, fut)
             with self._lock:
                 if fut is not None:
                     self._cache.read_done(e, fut, buf)
@@ -563,43 +523,7 @@ class Offloader:
             self._writer.cancel(e)
             self._counters.add(scope.stats_id, "adaptive_keep_bytes", e.nbytes)
         self._window.begin_pass(_now(), self._counters.total.resident_bytes)
-        self._prefetch(scope, None)
-
-    def _prefetch(self, scope: Scope, layer: int | None) -> None:
-        limit = self._window.limit(self._counters.total.resident_bytes, scope.ahead)
-        for e in scope.advance(layer, max_bytes=limit, max_layers=self.config.prefetch_layers):
-            self._issue_read(e)
-
-    def _issue_read(self, e: Entry) -> None:
-        """Under the lock: starts reading ``e`` back into a fresh buffer."""
-        buf = self._backend.alloc_buffer(e.nbytes, e.device, extent=e.extent)
-        fut = self._backend.submit_read(e.extent, buf, checksum=e.checksum, ready=device.consumer_fence(buf))
-        self._cache.reading(e, buf, fut)
-
-    def _await_read(self, e: Entry, fut) -> None:
-        if fut.done():
-            with self._lock:
-                self._counters.add(e.scope.stats_id, "prefetch_hits", 1)
-        else:
-            start = time.perf_counter()
-            with profiled("ssdtrain.stall.read"):
-                fut.exception()  # waits
-            waited = time.perf_counter() - start
-            with self._lock:
-                self._window.stalled(_now(), waited)
-                self._budget.stalled(waited)
-                for field, amount in (("prefetch_misses", 1), ("read_stall_seconds", waited), ("stall_seconds", waited)):
-                    self._counters.add(e.scope.stats_id, field, amount)
-        err = fut.exception()
-        with self._lock:
-            if err is None:
-                self._counters.add(e.scope.stats_id, "read_bytes", e.nbytes)
-                return
-            self._counters.add(e.scope.stats_id, "failed_reads", 1)
-            self._cache.read_failed(e, fut)
-        raise StorageError(getattr(err, "errno", None) or 5,
-                           f"ssdtrain could not read a saved activation back ({err}); "
-                           "the backward pass cannot continue with missing data") from err
+        self._reader.prefetch(scope, None)
 
     def _make_endurance(self):
         if self.backend not in ("posix", "kvikio"):
@@ -607,54 +531,6 @@ class Offloader:
         from ssdtrain.endurance import EnduranceMonitor
 
         return EnduranceMonitor(list(self.config.paths), self.config.rated_tbw, self.config.endurance_horizon_days)
-
-
-def _model_list(model: Any) -> list[nn.Module]:
-    if model is None:
-        return []
-    if isinstance(model, nn.Module):
-        return [model]
-    if isinstance(model, (list, tuple)) and model and all(isinstance(m, nn.Module) for m in model):
-        return list(model)  # model chunks (interleaved pipelines), first layers first
-    raise TypeError(f"model must be an nn.Module, a list of them (model chunks), or None; not {type(model).__name__}")
-
-
-def _named_module(models: list[nn.Module], name: str) -> nn.Module:
-    for m in models:
-        try:
-            return m.get_submodule(name)
-        except AttributeError:
-            continue
-    raise ValueError(f"keep_modules: no submodule {name!r} in the model; give dotted names as in "
-                     "model.named_modules() (e.g. 'lm_head'), or the modules themselves")
-
-
-def _is_weight_cast(t: torch.Tensor) -> bool:
-    """A low-precision copy of a parameter (autograd's cast cache, ``w.half()``): kept, like the
-    parameter itself; it is made once per forward and is not an activation."""
-    fn = t.grad_fn
-    if fn is None or type(fn).__name__ != "ToCopyBackward0":
-        return False
-    nxt = fn.next_functions
-    return bool(nxt) and nxt[0][0] is not None and type(nxt[0][0]).__name__ == "AccumulateGrad"
-
-
-def _bump(depth: list[int], delta: int, module: nn.Module, *args: Any) -> None:
-    depth[0] = max(0, depth[0] + delta)
-
-
-class _LayerTracker:
-    """Forward hooks on the blocks: which block is running (a stack, for nested calls)."""
-
-    def __init__(self, stack: list[int]) -> None:
-        self.stack = stack
-
-    def enter(self, index: int, module: nn.Module, args: Any) -> None:
-        self.stack.append(index)
-
-    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.stack:
-            self.stack.pop()
 
 
 def _shutdown(writer: WriteQueue, backend: Backend, handles: list) -> None:
@@ -696,26 +572,3 @@ def offload(model: nn.Module | None = None, *, enabled: bool = True, **overrides
         OffloadConfig.from_dict({k: v for k, v in overrides.items() if k != "keep_modules"})
         return _Disabled()  # type: ignore[return-value]
     return Offloader(model, **overrides)
-
-
-@contextlib.contextmanager
-def no_offload() -> Iterator[None]:
-    """Tensors saved inside stay in memory, even within an offloading region."""
-    # Innermost saved-tensor hooks win: identity hooks shadow any offloader's.
-    with torch.autograd.graph.saved_tensors_hooks(_as_is, _identity):
-        yield
-
-
-def _as_is(t: torch.Tensor) -> torch.Tensor:
-    """What a pack hook returns to keep a tensor in memory.
-
-    Not the output tensor itself: the graph would then hold its own output (a reference cycle
-    through C++), and frameworks that later swap that output's ``.data`` to free it (Megatron's
-    ``deallocate_output_tensor``) would swap the saved bytes too. A detached alias shares the
-    storage and the version counter, and neither problem.
-    """
-    return t if t.is_leaf else t.detach()
-
-
-def _identity(t: torch.Tensor) -> torch.Tensor:
-    return t

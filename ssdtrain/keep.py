@@ -1,0 +1,123 @@
+"""What never goes to storage: parameters, what is not plain bytes, saves inside opted-out modules.
+
+Pack asks :func:`as_is` first; a tensor it keeps is handed back to autograd as an alias. Also the
+module hooks that tell pack where it is (which block runs; whether an opted-out module does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ssdtrain import device
+
+__all__ = ["as_is", "alias", "no_offload"]
+
+
+def as_is(t: torch.Tensor, pinned: frozenset[int], in_kept_module: bool) -> bool:
+    """Whether ``t`` is not an activation, or not one we can store as bytes: kept as it is.
+
+    Args:
+        pinned: storage keys of the model's parameters and buffers.
+        in_kept_module: a module of ``keep_modules`` is running.
+
+    Raises:
+        RuntimeError: a CUDA tensor saved during CUDA graph capture (its I/O would run on the host).
+    """
+    if type(t) is not torch.Tensor or t.layout is not torch.strided or t.is_inference():
+        return True  # parameters (nn.Parameter), tensor subclasses, sparse, inference tensors
+    if t.device.type not in ("cpu", "cuda") or t.numel() == 0 or t.is_quantized or t._is_zerotensor():
+        return True  # quantized: scales and zero points live outside the bytes
+    if in_kept_module:
+        return True
+    base = t._base
+    if t.requires_grad and t.is_leaf and base is None:
+        return True  # a leaf that wants gradients lives anyway (a parameter in all but name)
+    if base is not None and (type(base) is not torch.Tensor or (base.requires_grad and base.is_leaf)):
+        return True  # a view of a parameter (e.g. weight.t() saved by mm)
+    if _is_weight_cast(base if base is not None else t):
+        return True
+    if device.is_cuda(t) and device.capturing():
+        raise RuntimeError("ssdtrain cannot offload inside CUDA graph capture (its I/O runs on the host); "
+                           "capture the graph outside the Offloader, or wrap it in ssdtrain.no_offload()")
+    try:
+        return t.untyped_storage()._cdata in pinned
+    except (RuntimeError, NotImplementedError):
+        return True  # no real storage (functional / fake tensors)
+
+
+def alias(t: torch.Tensor) -> torch.Tensor:
+    """What a pack hook returns to keep a tensor in memory.
+
+    Not the output tensor itself: the graph would then hold its own output (a reference cycle
+    through C++), and frameworks that later swap that output's ``.data`` to free it (Megatron's
+    ``deallocate_output_tensor``) would swap the saved bytes too. A detached alias shares the
+    storage and the version counter, and neither problem.
+    """
+    return t if t.is_leaf else t.detach()
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+@contextlib.contextmanager
+def no_offload() -> Iterator[None]:
+    """Tensors saved inside stay in memory, even within an offloading region."""
+    # Innermost saved-tensor hooks win: identity hooks shadow any offloader's.
+    with torch.autograd.graph.saved_tensors_hooks(alias, _identity):
+        yield
+
+
+def model_list(model: Any) -> list[nn.Module]:
+    if model is None:
+        return []
+    if isinstance(model, nn.Module):
+        return [model]
+    if isinstance(model, (list, tuple)) and model and all(isinstance(m, nn.Module) for m in model):
+        return list(model)  # model chunks (interleaved pipelines), first layers first
+    raise TypeError(f"model must be an nn.Module, a list of them (model chunks), or None; not {type(model).__name__}")
+
+
+def named_module(models: list[nn.Module], name: str) -> nn.Module:
+    for m in models:
+        try:
+            return m.get_submodule(name)
+        except AttributeError:
+            continue
+    raise ValueError(f"keep_modules: no submodule {name!r} in the model; give dotted names as in "
+                     "model.named_modules() (e.g. 'lm_head'), or the modules themselves")
+
+
+def _is_weight_cast(t: torch.Tensor) -> bool:
+    """A low-precision copy of a parameter (autograd's cast cache, ``w.half()``): kept, like the
+    parameter itself; it is made once per forward and is not an activation."""
+    fn = t.grad_fn
+    if fn is None or type(fn).__name__ != "ToCopyBackward0":
+        return False
+    nxt = fn.next_functions
+    return bool(nxt) and nxt[0][0] is not None and type(nxt[0][0]).__name__ == "AccumulateGrad"
+
+
+def bump(depth: list[int], delta: int, module: nn.Module, *args: Any) -> None:
+    depth[0] = max(0, depth[0] + delta)
+
+
+class LayerTracker:
+    """Forward hooks on the blocks: which block is running (a stack, for nested calls)."""
+
+    def __init__(self, stack: list[int]) -> None:
+        self.stack = stack
+
+    def enter(self, index: int, module: nn.Module, args: Any) -> None:
+        self.stack.append(index)
+
+    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.stack:
+            self.stack.pop()
+
+

@@ -1,0 +1,74 @@
+"""Reads back: issuing them ahead of need, and waiting for one that backward needs now."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from ssdtrain import device
+from ssdtrain.cache import Cache, Entry
+from ssdtrain.schedule import ReadWindow, Scope, WriteBudget
+from ssdtrain.store import Backend, StorageError
+from ssdtrain.store._mem import profiled
+
+__all__ = ["Reader"]
+
+
+class Reader:
+    """Reads of offloaded entries into fresh buffers; the engine calls :meth:`prefetch` and
+    :meth:`issue` under its lock, :meth:`wait` without it."""
+
+    def __init__(self, backend: Backend, cache: Cache, lock: threading.Lock, window: ReadWindow, budget: WriteBudget,
+                 *, max_layers: int | None, clock=time.perf_counter) -> None:
+        self._backend = backend
+        self._cache = cache
+        self._counters = cache.counters
+        self._lock = lock
+        self._window = window
+        self._budget = budget
+        self._max_layers = max_layers
+        self._clock = clock
+
+    def prefetch(self, scope: Scope, layer: int | None) -> None:
+        """Reads the entries ``scope`` will need next, as far as the window allows."""
+        limit = self._window.limit(self._counters.total.resident_bytes, scope.ahead)
+        for e in scope.advance(layer, max_bytes=limit, max_layers=self._max_layers):
+            self.issue(e)
+
+    def issue(self, e: Entry) -> None:
+        """Starts reading ``e`` back into a fresh buffer."""
+        buf = self._backend.alloc_buffer(e.nbytes, e.device, extent=e.extent)
+        fut = self._backend.submit_read(e.extent, buf, checksum=e.checksum, ready=device.consumer_fence(buf))
+        self._cache.reading(e, buf, fut)
+
+    def wait(self, e: Entry, fut: Any) -> None:
+        """Waits for ``e``'s read; a wait feeds the window and the write budget.
+
+        Raises:
+            StorageError: the read failed (garbage is never returned).
+        """
+        stats_id = e.scope.stats_id
+        if fut.done():
+            with self._lock:
+                self._counters.add(stats_id, "prefetch_hits", 1)
+        else:
+            start = self._clock()
+            with profiled("ssdtrain.stall.read"):
+                fut.exception()  # waits
+            waited = self._clock() - start
+            with self._lock:
+                self._window.stalled(self._clock(), waited)
+                self._budget.stalled(waited)
+                for field, amount in (("prefetch_misses", 1), ("read_stall_seconds", waited), ("stall_seconds", waited)):
+                    self._counters.add(stats_id, field, amount)
+        err = fut.exception()
+        with self._lock:
+            if err is None:
+                self._counters.add(stats_id, "read_bytes", e.nbytes)
+                return
+            self._counters.add(stats_id, "failed_reads", 1)
+            self._cache.read_failed(e, fut)
+        raise StorageError(getattr(err, "errno", None) or 5,
+                           f"ssdtrain could not read a saved activation back ({err}); "
+                           "the backward pass cannot continue with missing data") from err
