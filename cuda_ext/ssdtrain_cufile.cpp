@@ -1,17 +1,19 @@
-// Optional native helper for ssdtrain on GPUs: registers large CUDA buffers with cuFile.
+// Optional native helper for ssdtrain on GPUs: registers CUDA buffers with cuFile.
 //
 // GPUDirect Storage moves data between an NVMe drive and GPU memory without a bounce buffer
-// only for memory registered with cuFileBufRegister. This library offers two ways to get there:
+// only for memory registered with cuFileBufRegister. ssdtrain_buf_register /
+// ssdtrain_buf_deregister register one buffer (a byte range of device memory).
 //
-//   * ssdtrain_buf_register / ssdtrain_buf_deregister: register one buffer (e.g. the reload pool);
-//   * ssdtrain_alloc / ssdtrain_free: a PyTorch pluggable allocator
-//     (torch.cuda.memory.CUDAPluggableAllocator) whose allocations of at least
-//     ssdtrain_set_register_min_bytes() bytes are registered for as long as they live. This
-//     replaces the LD_PRELOAD malloc hook other offloading code relies on.
+// Host C++ only: no device code, so any C++17 compiler builds it (cuda_ext/build.py); it needs
+// cufile.h and the cuda.h it includes, nothing else. Nothing is linked at build time but libdl:
+// libcufile.so.0 is opened on first use, so the library loads on a machine without a GPU
+// (ssdtrain/_ext.py loads it best-effort). Errors are returned as codes, never thrown across the
+// C ABI.
 //
-// Nothing is linked at build time but libdl: libcufile.so.0 and libcuda.so.1 are opened on first
-// use, so the library loads on a machine without a GPU (ssdtrain/_ext.py loads it best-effort).
-// Errors are returned as codes, never thrown across the C ABI.
+// ABI 2 removed the pluggable allocator of ABI 1 (ssdtrain_alloc / ssdtrain_free): PyTorch calls
+// a pluggable allocator's free as soon as a tensor dies, not when the streams that used the
+// memory are done with it, and bypasses its caching allocator's statistics
+// (max_memory_allocated read 0); nothing on ssdtrain's data path used it.
 
 #include <dlfcn.h>
 
@@ -28,39 +30,21 @@ namespace {
 // Return codes of this library (besides cuFile's own CUfileOpError values, returned as is).
 constexpr int kOk = 0;
 constexpr int kNoCufile = -1;  // libcufile.so.0 could not be opened
-constexpr int kNoDriver = -2;  // libcuda.so.1 could not be opened
-constexpr int kCudaError = -3;  // a CUDA driver call failed
 constexpr int kNotRegistered = -4;
 
 using DriverOpenFn = CUfileError_t (*)();
 using BufRegisterFn = CUfileError_t (*)(const void*, size_t, int);
 using BufDeregisterFn = CUfileError_t (*)(const void*);
 using GetVersionFn = CUfileError_t (*)(int*);
-using MemAllocFn = CUresult (*)(CUdeviceptr*, size_t);
-using MemFreeFn = CUresult (*)(CUdeviceptr);
-using PrimaryCtxRetainFn = CUresult (*)(CUcontext*, CUdevice);
-using DeviceGetFn = CUresult (*)(CUdevice*, int);
-using CtxPushFn = CUresult (*)(CUcontext);
-using CtxPopFn = CUresult (*)(CUcontext*);
-
 struct Api {
   std::mutex mu;
-  bool tried_cufile = false, tried_cuda = false;
+  bool tried_cufile = false;
   void* cufile = nullptr;
-  void* cuda = nullptr;
   DriverOpenFn driver_open = nullptr;
   BufRegisterFn buf_register = nullptr;
   BufDeregisterFn buf_deregister = nullptr;
   GetVersionFn get_version = nullptr;
-  MemAllocFn mem_alloc = nullptr;
-  MemFreeFn mem_free = nullptr;
-  PrimaryCtxRetainFn primary_ctx_retain = nullptr;
-  DeviceGetFn device_get = nullptr;
-  CtxPushFn ctx_push = nullptr;
-  CtxPopFn ctx_pop = nullptr;
   bool driver_opened = false;
-  size_t register_min_bytes = size_t{4} << 20;
-  std::unordered_map<int, CUcontext> contexts;     // device -> retained primary context
   std::unordered_map<uintptr_t, size_t> registered;  // address -> length
 };
 
@@ -74,7 +58,7 @@ void sym(void* lib, const char* name, T& out) {
   out = reinterpret_cast<T>(dlsym(lib, name));
 }
 
-// Both loaders run with api().mu held.
+// Runs with api().mu held.
 int load_cufile(Api& a) {
   if (!a.tried_cufile) {
     a.tried_cufile = true;
@@ -87,24 +71,6 @@ int load_cufile(Api& a) {
     }
   }
   return (a.driver_open && a.buf_register && a.buf_deregister) ? kOk : kNoCufile;
-}
-
-int load_cuda(Api& a) {
-  if (!a.tried_cuda) {
-    a.tried_cuda = true;
-    a.cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
-    if (a.cuda != nullptr) {
-      sym(a.cuda, "cuMemAlloc_v2", a.mem_alloc);
-      sym(a.cuda, "cuMemFree_v2", a.mem_free);
-      sym(a.cuda, "cuDevicePrimaryCtxRetain", a.primary_ctx_retain);
-      sym(a.cuda, "cuDeviceGet", a.device_get);
-      sym(a.cuda, "cuCtxPushCurrent_v2", a.ctx_push);
-      sym(a.cuda, "cuCtxPopCurrent_v2", a.ctx_pop);
-    }
-  }
-  return (a.mem_alloc && a.mem_free && a.primary_ctx_retain && a.device_get && a.ctx_push && a.ctx_pop)
-             ? kOk
-             : kNoDriver;
 }
 
 int open_driver(Api& a) {
@@ -138,7 +104,7 @@ int deregister_locked(Api& a, const void* ptr) {
 extern "C" {
 
 // Bumped whenever a signature below changes; ssdtrain/_ext.py refuses other versions.
-int ssdtrain_ext_abi_version() { return 1; }
+int ssdtrain_ext_abi_version() { return 2; }
 
 // cuFile's version (e.g. 1140 for 1.14), or a negative code.
 int ssdtrain_cufile_version() {
@@ -169,56 +135,6 @@ size_t ssdtrain_registered_bytes() {
   size_t total = 0;
   for (const auto& kv : a.registered) total += kv.second;
   return total;
-}
-
-void ssdtrain_set_register_min_bytes(size_t nbytes) {
-  Api& a = api();
-  std::lock_guard<std::mutex> lock(a.mu);
-  a.register_min_bytes = nbytes;
-}
-
-// PyTorch pluggable allocator: void* alloc(ssize_t size, int device, cudaStream_t stream).
-// Memory comes from the device's primary context (the one the CUDA runtime and PyTorch use).
-void* ssdtrain_alloc(ptrdiff_t size, int device, void* /*stream*/) {
-  Api& a = api();
-  std::lock_guard<std::mutex> lock(a.mu);
-  if (size <= 0 || load_cuda(a) != kOk) return nullptr;
-  auto ctx_it = a.contexts.find(device);
-  if (ctx_it == a.contexts.end()) {
-    CUdevice dev;
-    CUcontext ctx;
-    if (a.device_get(&dev, device) != CUDA_SUCCESS || a.primary_ctx_retain(&ctx, dev) != CUDA_SUCCESS) {
-      return nullptr;
-    }
-    ctx_it = a.contexts.emplace(device, ctx).first;
-  }
-  if (a.ctx_push(ctx_it->second) != CUDA_SUCCESS) return nullptr;
-  CUdeviceptr p = 0;
-  CUresult r = a.mem_alloc(&p, static_cast<size_t>(size));
-  CUcontext popped;
-  a.ctx_pop(&popped);
-  if (r != CUDA_SUCCESS) return nullptr;
-  void* ptr = reinterpret_cast<void*>(p);
-  if (static_cast<size_t>(size) >= a.register_min_bytes) {
-    // Best effort: unregistered memory still works with GDS, through cuFile's bounce buffers.
-    register_locked(a, ptr, static_cast<size_t>(size));
-  }
-  return ptr;
-}
-
-// PyTorch pluggable allocator: void free(void* ptr, ssize_t size, int device, cudaStream_t stream).
-// PyTorch calls it once the memory is no longer used by any stream.
-void ssdtrain_free(void* ptr, ptrdiff_t /*size*/, int device, void* /*stream*/) {
-  Api& a = api();
-  std::lock_guard<std::mutex> lock(a.mu);
-  if (ptr == nullptr || load_cuda(a) != kOk) return;
-  deregister_locked(a, ptr);
-  auto ctx_it = a.contexts.find(device);
-  if (ctx_it != a.contexts.end() && a.ctx_push(ctx_it->second) == CUDA_SUCCESS) {
-    a.mem_free(reinterpret_cast<CUdeviceptr>(ptr));
-    CUcontext popped;
-    a.ctx_pop(&popped);
-  }
 }
 
 }  // extern "C"

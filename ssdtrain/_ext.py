@@ -1,12 +1,14 @@
-"""Best-effort loader of the optional CUDA extension (``cuda_ext/``): cuFile buffer registration.
+"""Best-effort loader of the optional native helper (``cuda_ext/``): cuFile buffer registration.
 
-Pure Python is the complete default; the extension only lets GPUDirect Storage skip its bounce
-buffers for registered GPU memory. Nothing happens at import: the library is looked for on the
-first call of :func:`is_available` (or any function below), and the reason it could not be used
-is logged once at INFO and kept in :func:`unavailable_reason`.
+Pure Python is the complete default; the helper only lets GPUDirect Storage skip its bounce
+buffers for registered GPU memory (kvikio's ``memory_register`` does the same for kvikio's own
+requests). Nothing happens at import: the library is looked for on the first call of
+:func:`is_available` (or any function below), and the reason it could not be used is logged once
+at INFO and kept in :func:`unavailable_reason`.
 
 Environment:
-    SSDTRAIN_NO_EXT=1       never load the extension.
+    SSDTRAIN_NO_EXT=1       never load native code of ssdtrain (``1/true/yes/on``; ``0/false/no/off``
+                            or empty: load it; anything else is an error).
     SSDTRAIN_EXT_PATH=FILE  load this library instead of ``~/.cache/ssdtrain/libssdtrain_cufile.so``
                             (where ``python cuda_ext/build.py`` puts it).
 """
@@ -19,14 +21,22 @@ import functools
 import importlib.util
 import logging
 import os
+import stat
 from collections.abc import Iterator
 
-__all__ = ["is_available", "unavailable_reason", "library_path", "register", "allocator_spec", "cufile_version"]
+__all__ = ["is_available", "unavailable_reason", "library_path", "register", "cufile_version", "native_code_disabled"]
 
 log = logging.getLogger(__name__)
 
 LIB_NAME = "libssdtrain_cufile.so"
-ABI_VERSION = 1
+ABI_VERSION = 2
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"", "0", "false", "no", "off"})
+
+# Where the cuFile wheels put libcufile.so.0, under site-packages/nvidia: CUDA 13's
+# ``nvidia-cufile`` (one ``cu13`` tree for all CUDA 13 wheels), CUDA 12's ``nvidia-cufile-cu12``.
+CUFILE_WHEEL_LIBS = ("cu13/lib/libcufile.so.0", "cufile/lib/libcufile.so.0")
 
 
 def cache_dir() -> str:
@@ -37,8 +47,19 @@ def cache_dir() -> str:
 
 
 def native_code_disabled() -> bool:
-    """``SSDTRAIN_NO_EXT`` is set: no native code of ssdtrain is built or loaded."""
-    return os.environ.get("SSDTRAIN_NO_EXT", "").strip().lower() not in ("", "0", "false", "no", "off")
+    """Whether ``SSDTRAIN_NO_EXT`` asks for no native code of ssdtrain to be loaded.
+
+    Raises:
+        ValueError: the variable holds something other than 1/true/yes/on or 0/false/no/off/empty.
+    """
+    raw = os.environ.get("SSDTRAIN_NO_EXT", "")
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"SSDTRAIN_NO_EXT={raw!r} is not understood: use 1, true, yes or on to disable ssdtrain's "
+                     "native code, or 0, false, no, off or nothing to allow it")
 
 
 def library_path() -> str:
@@ -49,12 +70,49 @@ def library_path() -> str:
     return os.path.join(cache_dir(), LIB_NAME)
 
 
+# Note [load only what no one else can write]
+# A shared library runs with all of this process's rights. Under a permissive umask (000) the
+# cache directory and the library could be writable by every local user, who could then replace
+# the library and run code as the trainer. So a library is loaded only if the file (symlinks
+# resolved) is a regular file owned by this user (or root) and writable by no group or other, and
+# every directory from it up to ``/`` is owned by this user or root and writable by no group or
+# other -- or sticky (as ``/tmp`` is: others cannot rename or replace what they do not own).
+def _trusted(path: str) -> str | None:
+    """``None`` when ``path`` may be loaded (Note [load only what no one else can write]), else why not."""
+    me = os.geteuid()
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    if not stat.S_ISREG(st.st_mode):
+        return f"{real} is not a regular file"
+    if st.st_uid not in (me, 0):
+        return f"{real} belongs to user {st.st_uid}, not to this user ({me}) or root"
+    if st.st_mode & 0o022:
+        return f"{real} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}); chmod go-w it"
+    d = os.path.dirname(real)
+    while True:
+        st = os.stat(d)
+        if st.st_uid not in (me, 0):
+            return f"directory {d} belongs to user {st.st_uid}, not to this user ({me}) or root"
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            return f"directory {d} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}); chmod go-w it"
+        parent = os.path.dirname(d)
+        if parent == d:
+            return None
+        d = parent
+
+
 def _preload_cufile() -> None:
-    """Makes ``dlopen("libcufile.so.0")`` find the nvidia-cufile wheel's copy, if installed."""
+    """Makes ``dlopen("libcufile.so.0")`` find the cuFile wheel's copy, if one is installed."""
     spec = importlib.util.find_spec("nvidia")
     for root in (spec.submodule_search_locations or []) if spec else []:
-        lib = os.path.join(root, "cufile", "lib", "libcufile.so.0")
-        if os.path.isfile(lib):
+        for rel in CUFILE_WHEEL_LIBS:
+            lib = os.path.join(root, rel)
+            if not os.path.isfile(lib):
+                continue
+            why = _trusted(lib)
+            if why is not None:
+                log.info("ssdtrain: not loading %s: %s", lib, why)
+                return
             try:
                 ctypes.CDLL(lib, mode=os.RTLD_GLOBAL)
             except OSError as e:
@@ -72,6 +130,12 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     if not os.path.isfile(path):
         return None, f"{path} does not exist (build it with: python cuda_ext/build.py)"
     try:
+        why = _trusted(path)
+    except OSError as e:
+        why = f"cannot check {path}: {e}"
+    if why is not None:
+        return None, f"refusing to load {path}: {why}"
+    try:
         lib = ctypes.CDLL(path)
     except OSError as e:
         return None, f"cannot load {path}: {e}"
@@ -85,8 +149,6 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.ssdtrain_buf_register.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     lib.ssdtrain_buf_deregister.argtypes = [ctypes.c_void_p]
     lib.ssdtrain_registered_bytes.restype = ctypes.c_size_t
-    lib.ssdtrain_set_register_min_bytes.argtypes = [ctypes.c_size_t]
-    lib.ssdtrain_set_register_min_bytes.restype = None
     return lib, None
 
 
@@ -120,17 +182,33 @@ def cufile_version() -> int:
     return int(_lib().ssdtrain_cufile_version())
 
 
+def byte_range(tensor) -> tuple[int, int]:
+    """``(address, nbytes)`` of a contiguous CUDA tensor's own bytes: from ``data_ptr()`` (which
+    includes the view's storage offset) for ``numel * element_size`` bytes -- never the whole
+    storage, which would run past its end for a view that does not start at offset 0.
+
+    Raises:
+        ValueError: the tensor is not on a CUDA device, or not contiguous.
+    """
+    if getattr(tensor, "device", None) is None or tensor.device.type != "cuda":
+        raise ValueError("only CUDA tensors can be registered with cuFile")
+    if not tensor.is_contiguous():
+        raise ValueError("only a contiguous tensor covers one byte range; register a contiguous one")
+    return tensor.data_ptr(), tensor.numel() * tensor.element_size()
+
+
 @contextlib.contextmanager
 def register(tensor) -> Iterator[None]:
-    """Registers a CUDA tensor's memory with cuFile for the ``with`` block (GDS without bounce
-    buffers). The tensor must stay alive and in place meanwhile.
+    """Registers a contiguous CUDA tensor's bytes with cuFile for the ``with`` block (GDS without
+    bounce buffers). The tensor must stay alive and in place meanwhile.
 
     Raises:
         RuntimeError: the extension is not available, or cuFile refused (the code is cuFile's
-            ``CUfileOpError``, or -1 no libcufile, -2 no CUDA driver).
+            ``CUfileOpError``, or -1: no libcufile).
+        ValueError: not a contiguous CUDA tensor.
     """
     lib = _lib()
-    ptr, nbytes = tensor.data_ptr(), tensor.untyped_storage().nbytes()
+    ptr, nbytes = byte_range(tensor)
     rc = lib.ssdtrain_buf_register(ptr, nbytes)
     if rc != 0:
         raise RuntimeError(f"cuFileBufRegister of {nbytes} bytes failed with code {rc}")
@@ -138,17 +216,3 @@ def register(tensor) -> Iterator[None]:
         yield
     finally:
         lib.ssdtrain_buf_deregister(ptr)
-
-
-def allocator_spec(register_min_bytes: int = 4 << 20) -> tuple[str, str, str]:
-    """``(library path, alloc name, free name)`` for ``torch.cuda.memory.CUDAPluggableAllocator``:
-    allocations of at least ``register_min_bytes`` are registered with cuFile while they live.
-
-    Example::
-
-        path, alloc, free = ssdtrain._ext.allocator_spec()
-        torch.cuda.memory.change_current_allocator(
-            torch.cuda.memory.CUDAPluggableAllocator(path, alloc, free))
-    """
-    _lib().ssdtrain_set_register_min_bytes(register_min_bytes)
-    return library_path(), "ssdtrain_alloc", "ssdtrain_free"
