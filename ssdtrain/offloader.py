@@ -66,10 +66,10 @@ class Offloader:
 
     def __init__(self, model: nn.Module | list[nn.Module] | None = None, config: OffloadConfig | Mapping | None = None, *,
                  store: Backend | None = None, **overrides: Any) -> None:
-        keep = overrides.get("keep_modules")
-        keep_objects = [m for m in (keep or ()) if isinstance(m, nn.Module)]
+        opted_out = overrides.get("keep_modules")
+        keep_objects = [m for m in (opted_out or ()) if isinstance(m, nn.Module)]
         if keep_objects:
-            overrides["keep_modules"] = tuple(m for m in keep if not isinstance(m, nn.Module))
+            overrides["keep_modules"] = tuple(m for m in opted_out if not isinstance(m, nn.Module))
         if isinstance(config, Mapping):
             config = OffloadConfig.from_dict(config)
         elif config is not None and not isinstance(config, OffloadConfig):

@@ -30,7 +30,7 @@ class SaveMany(torch.autograd.Function):
 
 
 def test_saved_k_times_written_once_read_once(off_dir):
-    off = ssdtrain.Offloader(path=str(off_dir), min_bytes=0)
+    off = ssdtrain.Offloader(path=str(off_dir), min_bytes=0, when_full="wait")  # every step writes (no budget)
     x0 = torch.randn(256, 256, requires_grad=True)
     for i in range(2):
         before = off.stats()
