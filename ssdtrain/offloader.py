@@ -302,8 +302,10 @@ class Offloader:
             self._scopes[self._active[-1][1].id] = self._active[-1][1]
         rec = self._active[-1]
         if rec[1].backward_started and torch._C._current_graph_task_id() == -1 and rec[1].stats_id is None:
-            rec[1] = Scope(("step", next(self._steps)))
+            done, rec[1] = rec[1], Scope(("step", next(self._steps)))
             with self._lock:
+                if done.live_entries == 0 and self._scopes.get(done.id) is done:
+                    del self._scopes[done.id]
                 self._writer.release_held([s for s in self._scopes.values() if not s.backward_started])
                 self._scopes[rec[1].id] = rec[1]
                 self._budget.new_step(_now())
