@@ -1,0 +1,225 @@
+"""The recipes of docs/recipes.md, run as written on the CPU: each compares the final parameters
+with ``torch.equal`` against the same training without offloading, and checks bytes were written.
+
+DDP and FSDP2 run 2 ranks under torchrun with gloo (``tests/_recipes_worker.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import ssdtrain
+from _recipes_worker import SEQ, STEPS, VOCAB, TinyGPT
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_recipes_worker.py")
+
+
+@pytest.fixture(autouse=True)
+def _restore_environ():
+    """transformers, accelerate and Lightning set environment variables as they go: put them back."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    torch.manual_seed(0)
+    return TinyGPT()
+
+
+def _batches():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (2, SEQ), generator=g) for _ in range(STEPS)]
+
+
+def _train(model, step):
+    """``step(model, tokens) -> loss``, then backward and an AdamW step; returns the parameters."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(5)  # dropout draws the same masks in every run
+    for tokens in _batches():
+        loss = step(model, tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _assert_equal(got, want):
+    assert got.keys() == want.keys()
+    differ = [n for n in want if not torch.equal(got[n], want[n])]
+    assert not differ, f"parameters differ: {differ}"
+
+
+def _offloaded(off):
+    def step(model, tokens):
+        with off:
+            return model(tokens, tokens.roll(-1, dims=1))
+    return step
+
+
+# -- DDP and FSDP2: 2 ranks, gloo ----------------------------------------------------------------------
+def _run(cmd, timeout):
+    """Runs ``cmd`` in its own process group; kills the whole group on timeout (a rank that
+    crashed leaves its peer waiting in a collective)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} timed out after {timeout}s:\n{out[-4000:]}")
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-4000:]}"
+    return out
+
+
+@pytest.mark.slow
+def test_ddp_and_fsdp2_two_ranks(tmp_path):
+    pytest.importorskip("torch.distributed.fsdp")
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    storage, out = tmp_path / "storage", tmp_path / "out"
+    storage.mkdir()
+    out.mkdir()
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", WORKER,
+          "--modes", "ddp", "fsdp2", "--storage", str(storage), "--out", str(out), "--timeout", "120"],
+         timeout=240)
+    for rank in range(2):
+        rep = json.loads((out / f"rank{rank}.json").read_text())
+        for mode in ("ddp", "fsdp2"):
+            r = rep[mode]
+            assert r["names"] and r["trained"], (rank, mode, r)
+            assert r["differ"] == [], f"rank {rank}, {mode}: parameters differ: {r['differ']}"
+            assert r["written_bytes"] > 0, (rank, mode)
+            assert r["left_behind"] == [], (rank, mode)
+
+
+# -- one process --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_activation_checkpointing(gpt, tmp_path, use_reentrant):
+    """torch's ``checkpoint`` around each block: what reaches the offloader is each block's
+    input (saved by checkpoint itself, either way) and the layers outside the blocks."""
+    def step(model, tokens):
+        x = model.embed(tokens)
+        for block in model.blocks:
+            x = checkpoint(block, x, use_reentrant=use_reentrant)
+        return model.loss(x, tokens.roll(-1, dims=1))
+
+    want = _train(copy.deepcopy(gpt), step)
+    model = copy.deepcopy(gpt)
+    off = ssdtrain.Offloader(model, path=str(tmp_path), min_bytes=0)
+
+    def offloaded(model, tokens):
+        with off:
+            return step(model, tokens)
+
+    got = _train(model, offloaded)
+    s = off.stats()
+    off.close()
+    _assert_equal(got, want)
+    full = ssdtrain.Offloader(path=str(tmp_path), min_bytes=0)
+    _train(copy.deepcopy(gpt), _offloaded(full))
+    assert 0 < s.written_bytes and s.saved_bytes < full.stats().saved_bytes / 2
+    full.close()
+
+
+@pytest.fixture
+def deterministic():
+    """torch's deterministic mode, for this test only (inductor then emits no racing reductions,
+    e.g. the embedding's scatter-add in backward)."""
+    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    torch._dynamo.reset()
+    yield
+    torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+    torch._dynamo.reset()
+
+
+# Inductor's CPU code generation still imports a torch.jit helper.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_torch_compile(tmp_path, deterministic):
+    """``with off:`` around the compiled model's call (inductor). Two compiled runs are bit-equal
+    only in deterministic mode, with or without offloading. (A small MLP: inductor compiles a GPT
+    for 20 to 50 s on 2 cores.)"""
+    torch.manual_seed(0)
+    mlp = _MLP()
+    x = torch.randn(16, 64)
+
+    def run(off):
+        model = copy.deepcopy(mlp)
+        compiled = torch.compile(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for _ in range(STEPS):
+            if off is None:
+                loss = compiled(x)
+            else:
+                with off:
+                    loss = compiled(x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    want = run(None)
+    off = ssdtrain.Offloader(path=str(tmp_path), min_bytes=0)
+    got = run(off)
+    assert off.stats().written_bytes > 0
+    off.close()
+    _assert_equal(got, want)
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.LayerNorm(64), torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                torch.nn.Linear(256, 64)) for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x.square().mean()
+
+
+def test_accelerate(gpt, tmp_path):
+    """As in the recipe: the unwrapped model as ``model=``, ``with off:`` inside
+    ``accelerator.accumulate`` (2 micro-batches per optimizer step)."""
+    accelerate = pytest.importorskip("accelerate")
+
+    def run(offload):
+        accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+        model = copy.deepcopy(gpt)
+        model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        off = ssdtrain.Offloader(accelerator.unwrap_model(model), path=str(tmp_path), min_bytes=0) if offload else None
+        torch.manual_seed(5)
+        for tokens in _batches() * 2:
+            with accelerator.accumulate(model):
+                with off if off is not None else contextlib.nullcontext():
+                    loss = model(tokens, tokens.roll(-1, dims=1))
+                accelerator.backward(loss)
+                opt.step()
+                opt.zero_grad()
+        written = 0
+        if off is not None:
+            written = off.stats().written_bytes
+            off.close()
+        return {n: p.detach().clone() for n, p in accelerator.unwrap_model(model).named_parameters()}, written
+
+    want, _ = run(False)
+    got, written = run(True)
+    _assert_equal(got, want)
+    assert written > 0
+    assert not all(torch.equal(want[n], p) for n, p in gpt.named_parameters())
