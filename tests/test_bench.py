@@ -1,24 +1,22 @@
-"""Tests for ssdtrain/bench.py (``ssdtrain bench``) and ssdtrain/_progress.py."""
+"""Tests for ssdtrain/bench/ (``ssdtrain bench``): the run, the drive limit, the measuring helpers."""
 
+import copy
 import io
 import json
+import os
 import sys
 
 import pytest
 import torch
 
-from ssdtrain import _hostalloc, _measure, bench
-from ssdtrain._progress import Progress
-from ssdtrain.models import GPT, GPTConfig
+import ssdtrain
+from ssdtrain import bench
+from ssdtrain.bench import _measure, drive, modes, runner
+from ssdtrain.bench._progress import Progress
+from ssdtrain.bench.models import GPT, GPTConfig
 
-@pytest.fixture(autouse=True)
-def _keep_malloc_settings(monkeypatch):
-    """The bench fixes glibc's mmap threshold process-wide; keep the test process as it was."""
-    monkeypatch.setattr(bench, "mmap_large_allocations", lambda *a, **k: False)
-    monkeypatch.setattr(bench, "usual_allocations", lambda *a, **k: False)
-
-
-KEYS = ("step_time_s", "peak_saved_bytes", "peak_rss_bytes", "written_bytes", "read_bytes", "stall_s")
+KEYS = ("step_time_s", "forward_s", "backward_s", "peak_saved_bytes", "peak_rss_bytes", "written_bytes",
+        "read_bytes", "stall_s")
 
 
 def _run_quick(tmp_path, capsys, data, *extra):
@@ -33,33 +31,42 @@ def _run_quick(tmp_path, capsys, data, *extra):
 
 def _check(text, result, backend):
     for mode in bench.MODES:
-        assert mode in text
+        assert f"\n{mode} " in text
     assert "drive:" in text and "step" in text and "peak saved" in text
     assert result["input"]["backend"] == backend
-    drive = result["drive"]
-    assert drive["write_gbps"] is None or drive["write_gbps"] > 0
-    assert drive["read_gbps"] is None or drive["read_gbps"] > 0
-    modes = result["modes"]
+    d = result["drive"]
+    assert d["write_gbps"] is None or d["write_gbps"] > 0
+    assert d["read_gbps"] is None or d["read_gbps"] > 0
+    ms = result["modes"]
     for mode in bench.MODES:
         for key in KEYS:
-            assert key in modes[mode], (mode, key)
-        assert modes[mode]["step_time_s"] > 0
-    base, rec, off = modes["baseline"], modes["recompute"], modes["offload"]
+            assert key in ms[mode], (mode, key)
+        assert ms[mode]["step_time_s"] > 0
+    base, rec, off, rpo = ms["baseline"], ms["recompute"], ms["offload"], ms["recompute+offload"]
     assert base["written_bytes"] == base["read_bytes"] == 0 and base["stall_s"] == 0
     # At --quick size every activation fits the read-ahead window, so backward may find all of
     # them still in memory (reads are then rightly zero); never more is read than was written.
-    assert off["written_bytes"] > 0 and 0 <= off["read_bytes"] <= off["written_bytes"]
+    # The first (warm-up) step writes; a timed one may write less, or nothing, if the offloader
+    # learnt that the drive (on a busy machine) could not bring it back in time.
+    for name, o in (("offload", off), ("recompute+offload", rpo)):
+        assert result["offload"][name]["written_bytes_all_steps"] > 0
+        assert 0 <= o["read_bytes"] <= o["written_bytes"]
+        assert "drive could carry" in text and o["drive"]["moved_bytes"] == o["written_bytes"]
+        assert 0 < o["peak_saved_bytes"]
     assert 0 < rec["peak_saved_bytes"] < base["peak_saved_bytes"]
-    assert 0 < off["peak_saved_bytes"] <= base["peak_saved_bytes"]
+    assert off["peak_saved_bytes"] <= base["peak_saved_bytes"]
     assert base["step_time_ratio"] == 1.0
+    assert "recompute+offload vs recompute: step x" in text and rpo["vs_recompute"]["step_time_ratio"] > 0
     # Same initial weights and batches: offloading changes no bit of training.
     assert off["losses"] == base["losses"]
+    assert rpo["losses"] == rec["losses"]
     assert rec["losses"] == pytest.approx(base["losses"], rel=1e-5)
 
 
 def test_quick_end_to_end_torch_input(tmp_path, capsys):
     text, result = _run_quick(tmp_path, capsys, "torch")
     _check(text, result, "torch")
+    assert result["drive"]["limit"] is None and "drive limit" not in text
     assert not list((tmp_path / "nvme").rglob("*"))  # nothing left on the drive
 
 
@@ -72,6 +79,109 @@ def test_quick_end_to_end_dali_input_with_plot(tmp_path, capsys):
     assert "timeline" not in result  # kept for the plot, not written to JSON
 
 
+def test_drive_limit_in_the_backend(tmp_path, capsys):
+    cap = 0.05
+    text, result = _run_quick(tmp_path, capsys, "torch", "--modes", "baseline,offload,recompute,recompute+offload",
+                              "--drive-gbps", str(cap), "--throttle", "backend")
+    assert result["drive"]["limit"] == {"gbps": cap, "method": "backend", "devices": [], "why": ""}
+    assert "drive limit: 0.05 GB/s each way, in the backend" in text
+    for name in ("offload", "recompute+offload"):
+        assert "throttled to write 0.05 GB/s" in result["offload"][name]["backend"]
+        row = result["modes"][name]
+        d = row["drive"]
+        assert d["write_gbps"] == d["read_gbps"] == cap  # the cap, or the raw drive if slower
+        assert d["capacity_bytes"] == pytest.approx(min(d["write_gbps"] * d["forward_s"],
+                                                        d["read_gbps"] * d["backward_s"]) * 1e9)
+        assert d["moved_share"] == pytest.approx(row["written_bytes"] / d["capacity_bytes"])
+        assert d["drive_limited"] == (d["made_gbps"] > cap)
+        # What a step wrote, it waited for (off.wait()): never faster than the cap.
+        assert row["written_bytes"] / row["step_time_s"] <= cap * 1e9 * 1.001
+        assert f"{name}: drive could carry" in text
+    assert text.count("  regime: drive") == 2
+    assert not list((tmp_path / "nvme").rglob("*"))
+
+
+def test_recompute_offload_gradients_equal_recompute(tmp_path):
+    cfg = GPTConfig(vocab=64, seq=32, layers=3, hidden=32, heads=4)
+    torch.manual_seed(0)
+    ref = GPT(cfg)
+    rec = modes.Mode("recompute", copy.deepcopy(ref))
+    rpo = modes.Mode("recompute+offload", copy.deepcopy(ref), modes.offloader_factory(str(tmp_path), None))
+    tokens = torch.randint(0, cfg.vocab, (2, cfg.seq))
+    try:
+        for step in range(2):
+            rec.forward_backward(tokens, tokens)
+            rpo.forward_backward(tokens, tokens)
+            if step == 0:
+                assert rpo.off.stats().written_bytes > 0  # the checkpoints went to the drive
+            for a, b in zip(rec.model.parameters(), rpo.model.parameters()):
+                assert torch.equal(a.grad, b.grad)
+                assert torch.equal(a, b)  # after the optimizer step too
+    finally:
+        rpo.close()
+
+
+def test_summary_takes_the_median_of_per_round_ratios_and_the_drive_figures():
+    S = modes.Step
+    steps = {"baseline": [S(2.0, 1.0, 1.0, 0.0), S(2.4, 1.2, 1.2, 0.0), S(2.0, 1.0, 1.0, 0.0)],
+             "offload": [S(2.1, 1.0, 1.1, 0.0, peak_saved=5, written=300e6, unique=2e9),
+                         S(2.1, 1.0, 1.1, 0.0, peak_saved=7, written=300e6, unique=2e9),
+                         S(2.2, 1.1, 1.1, 0.0, peak_saved=6, written=300e6, unique=2e9)]}
+    memory = {"baseline": {"peak_saved_bytes": 10, "rss_growth_bytes": 20},
+              "offload": {"peak_saved_bytes": 1, "rss_growth_bytes": 4}, "block_bytes": 0}
+    limit = drive.DriveLimit(0.5, "backend")
+    out = runner._summarize(steps, memory, {"write_gbps": 2.0, "read_gbps": 0.4}, limit)
+    off = out["offload"]
+    assert off["step_time_ratios"] == pytest.approx([1.05, 0.875, 1.1])
+    assert off["step_time_ratio"] == pytest.approx(1.05)
+    assert off["peak_saved_bytes"] == 7 and off["peak_saved_ratio"] == pytest.approx(0.7)
+    assert off["peak_rss_ratio"] == pytest.approx(0.2)
+    d = off["drive"]
+    # Write at the limit (0.5 < 2.0 raw), read at the raw drive (0.4 < 0.5).
+    assert (d["write_gbps"], d["read_gbps"]) == (0.5, 0.4)
+    assert d["capacity_bytes"] == pytest.approx(min(0.5 * 1.0, 0.4 * 1.1) * 1e9)
+    assert d["moved_share"] == pytest.approx(300e6 / 0.44e9)
+    # 2 GB of activations in baseline's 1.0 s forward: faster than the drive writes.
+    assert d["made_gbps"] == pytest.approx(2.0) and d["made_per"] == "baseline" and d["drive_limited"]
+
+
+def test_choose_limit(tmp_path, monkeypatch):
+    assert drive.choose_limit([str(tmp_path)], 0.1, "backend") == drive.DriveLimit(0.1, "backend")
+    monkeypatch.setattr(drive.os, "geteuid", lambda: 1000)
+    auto = drive.choose_limit([str(tmp_path)], 0.1, "auto")
+    assert auto.method == "backend" and auto.why == "not root" and "no cgroup: not root" in auto.describe()
+    with pytest.raises(ValueError, match="--throttle cgroup: not root; use --throttle backend"):
+        drive.choose_limit([str(tmp_path)], 0.1, "cgroup")
+    with pytest.raises(ValueError, match="--drive-gbps"):
+        drive.choose_limit([str(tmp_path)], 0, "backend")
+    assert drive.drive_rates({"write_gbps": None, "read_gbps": 2.0}, auto) == (0.1, 0.1)
+    assert drive.drive_rates({"write_gbps": 1.0, "read_gbps": 2.0}, None) == (1.0, 2.0)
+
+
+def _cgroup_or_skip(path):
+    limit = drive.choose_limit([str(path)], 0.05, "auto")
+    if limit.method != "cgroup":
+        pytest.skip(f"no blkio cgroup here: {limit.why}")
+    return limit
+
+
+def test_blkio_group_moves_the_process_and_back(tmp_path):
+    limit = _cgroup_or_skip(tmp_path)
+    before = drive._own_group()
+    with drive.limited(limit) as group:
+        assert drive._own_group() == "/" + os.path.basename(group.dir)
+        with open(os.path.join(group.dir, "blkio.throttle.write_bps_device")) as f:
+            assert f.read().split() == [limit.devices[0], str(int(0.05e9))]
+    assert drive._own_group() == before and not os.path.exists(group.dir)
+
+
+def test_bad_modes_and_rates(capsys):
+    assert bench.main(["--quick", "--modes", "baseline,fast"]) == 2
+    assert "fast" in capsys.readouterr().err
+    assert bench.main(["--quick", "--drive-gbps", "-1"]) == 2
+    assert "--drive-gbps" in capsys.readouterr().err
+
+
 def test_plot_without_matplotlib_is_one_clear_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     rc = bench.main(["--quick", "--plot", str(tmp_path / "x.png")])
@@ -79,15 +189,10 @@ def test_plot_without_matplotlib_is_one_clear_line(tmp_path, capsys, monkeypatch
     assert rc == 2 and err.count("\n") == 1 and "pip install 'ssdtrain[plot]'" in err
 
 
-def test_bad_modes(capsys):
-    assert bench.main(["--quick", "--modes", "baseline,fast"]) == 2
-    assert "fast" in capsys.readouterr().err
-
-
 def test_probe_missing_reports_none(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ssdtrain.probe", None)
-    drive = bench._probe([str(tmp_path)], 1 << 20, False)
-    assert drive["write_gbps"] is None and drive["read_gbps"] is None and "probe" in drive["error"]
+    d = drive.probe([str(tmp_path)], 1 << 20, False)
+    assert d["write_gbps"] is None and d["read_gbps"] is None and "probe" in d["error"]
 
 
 def test_saved_meter_counts_unique_storages_until_freed():
@@ -153,8 +258,15 @@ def test_progress_bar():
     assert silent.getvalue() == ""
 
 
+def test_cli_points_at_the_package():
+    from ssdtrain import cli
+
+    assert cli._COMMANDS["bench"][0] == "ssdtrain.bench" and bench.main is bench.command.main
+    assert ssdtrain.bench is bench
+
+
 def test_step_time_benchmark_smoke(tmp_path, capsys):
-    """benchmarks/step_time.py at tiny size, so the benchmark cannot rot."""
+    """benchmarks/step_time.py at tiny size, throttled, with recompute: so that it cannot rot."""
     import importlib.util
     from pathlib import Path
 
@@ -163,113 +275,15 @@ def test_step_time_benchmark_smoke(tmp_path, capsys):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     out = tmp_path / "step.json"
-    control = _hostalloc.available()  # the control mode needs the huge-page allocator (CI has it)
-    rc = module.main(["--tiny", "--data", "torch", "--path", str(tmp_path / "nvme"),
-                      "--work-dir", str(tmp_path / "work"), "--json", str(out)] + ["--control"] * control)
+    rc = module.main(["--tiny", "--data", "torch", "--path", str(tmp_path / "nvme"), "--work-dir",
+                      str(tmp_path / "work"), "--json", str(out), "--recompute", "--drive-gbps", "0.2",
+                      "--throttle", "backend"])
     assert rc == 0
     text = capsys.readouterr().out
-    assert "offload/baseline" in text and "peak_resident_bytes" in text
-    fig = json.loads(out.read_text())["figures"]
+    assert "median step time offload/baseline" in text and "offload peak saved / baseline saved bytes" in text
+    assert "median step time recompute+offload/recompute" in text and "drive could carry" in text
+    data = json.loads(out.read_text())
+    fig = data["figures"]
     assert fig["step_time_ratio"] > 0 and fig["stall_share"] >= 0 and 0 < fig["resident_share"] <= 1.0
-    if control:
-        assert "host allocator: hugepage" in text and "control: baseline on huge pages / baseline" in text
-        assert fig["control_ratio"] > 0 and fig["offload_over_control"] > 0
-    result = json.loads(out.read_text())["bench"]
-    assert result["model"]["layers"] >= 8
-    # The host line, as a busy host would make it: steal per mode, and the rounds where the
-    # offloaded step lost more to the host than baseline's.
-    base, off = result["modes"]["baseline"], result["modes"]["offload"]
-    base.update(stolen_share=0.04, stolen_shares=[0.04] * 12)
-    off.update(stolen_share=0.15, stolen_shares=[0.15] * 12, more_stolen_rounds=10, step_time_ratio_unstolen=1.1)
-    table = bench.format_table(result)
-    assert "(median per step): baseline 4%, offload 15%" in table
-    assert "offload steps lost more to the host than baseline's in 10 of 12 rounds (on a virtual disk" in table
-    off.update(more_stolen_rounds=9)  # P(>= 9 of 12) = 7.3%: could be chance, so no explanation offered
-    assert "in 9 of 12 rounds\n" in bench.format_table(result)
-
-
-def test_steal_is_reported_and_taken_out_per_step(monkeypatch):
-    # Two CPUs; in round 2 the host took 0.8 s of CPU time during baseline's step (0.4 s per CPU).
-    monkeypatch.setattr(bench.os, "cpu_count", lambda: 2)
-    S = bench._Step
-    steps = {"baseline": [S(2.0, 1.0, stolen=0.0), S(2.4, 1.0, stolen=0.8), S(2.0, 1.0, stolen=0.0)],
-             "offload": [S(2.1, 1.0, peak_saved=1, stolen=0.0), S(2.1, 1.0, peak_saved=1, stolen=0.0),
-                         S(2.2, 1.0, peak_saved=1, stolen=0.0)]}
-    out = bench._summarize(steps, {"baseline": (10, None, None), "offload": (1, None, None)}, {})
-    off, base = out["offload"], out["baseline"]
-    assert off["step_time_ratios"] == pytest.approx([1.05, 0.875, 1.1])
-    assert off["step_time_ratio"] == pytest.approx(1.05)
-    # Less steal: 2.0 / 2.0, 2.1 / (2.4 - 0.4), 2.2 / 2.0.
-    assert off["step_time_ratio_unstolen"] == pytest.approx(1.05)
-    assert base["stolen_shares"] == pytest.approx([0.0, 0.8 / 4.8, 0.0])
-    assert base["stolen_share"] == 0.0 and off["stolen_share"] == 0.0
-    assert off["more_stolen_rounds"] == 0  # round 2's steal hit baseline, not offload
-    steps["offload"][2].stolen = 0.44  # 10% of round 3's offload step
-    out = bench._summarize(steps, {"baseline": (10, None, None), "offload": (1, None, None)}, {})
-    assert out["offload"]["more_stolen_rounds"] == 1
-    assert out["offload"]["step_time_ratio_ci95"] is None  # 3 rounds: no 95% interval exists
-    # Unknown steal (no /proc/stat): no estimate rather than a wrong one.
-    steps["offload"][0].stolen = None
-    out = bench._summarize(steps, {"baseline": (10, None, None), "offload": (1, None, None)}, {})
-    assert out["offload"]["step_time_ratio_unstolen"] is None and out["offload"]["stolen_share"] is None
-
-
-def test_median_interval_is_the_binomial_order_statistic_interval():
-    # Ranks from the binomial(n, 1/2) tail: 6 values -> 1st..6th (96.9%), 12 -> 3rd..10th
-    # (96.1%; 4th..9th would be 85.4%), 30 -> 10th..21st (95.7%).
-    assert bench.median_interval([5.0, 1.0, 4.0, 2.0, 3.0]) is None
-    assert bench.median_interval([6.0, 1.0, 5.0, 2.0, 4.0, 3.0]) == (1.0, 6.0)
-    assert bench.median_interval([float(x) for x in range(12, 0, -1)]) == (3.0, 10.0)
-    assert bench.median_interval([float(x) for x in range(1, 31)]) == (10.0, 21.0)
-    assert bench.median_interval([float(x) for x in range(1, 13)], coverage=0.8) == (4.0, 9.0)
-
-
-def test_sign_test_p():
-    assert bench.sign_test_p(0, 5) == 1.0
-    assert bench.sign_test_p(3, 3) == pytest.approx(1 / 8)
-    assert bench.sign_test_p(10, 12) == pytest.approx((66 + 12 + 1) / 4096)
-    assert bench.sign_test_p(20, 30) < 0.05 < bench.sign_test_p(19, 30)
-
-
-def test_stolen_seconds_reads_the_steal_column(monkeypatch, tmp_path):
-    stat = tmp_path / "stat"
-    stat.write_text("cpu  100 0 50 1000 3 0 2 250 0 0\ncpu0 50 0 25 500 1 0 1 125 0 0\n")
-    real_open = open
-    monkeypatch.setattr("builtins.open", lambda p, *a, **k: real_open(stat if p == "/proc/stat" else p, *a, **k))
-    assert _measure.stolen_seconds() == pytest.approx(250 / _measure.os.sysconf("SC_CLK_TCK"))
-
-
-def test_io_interference_benchmark_smoke(tmp_path, capsys):
-    """benchmarks/io_interference.py at tiny size, with the offloaded mode, so it cannot rot."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "io_interference.py"
-    spec = importlib.util.spec_from_file_location("io_interference_benchmark", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    (tmp_path / "nvme").mkdir()
-    rc = module.main(["--tiny", "--offload", "--huge-pages", "--steps", "1", "--gbps", "0.05", "--batch", "2",
-                      "--path", str(tmp_path / "nvme")])
-    assert rc == 0
-    text = capsys.readouterr().out
-    assert "with traffic / quiet" in text and "offloaded / with traffic" in text
-    assert "with traffic from huge pages / quiet" in text and "from huge pages / from small pages" in text
-    assert list((tmp_path / "nvme").iterdir()) == []  # the traffic file and the arena are gone
-
-
-def test_io_requests_benchmark_smoke(tmp_path, capsys):
-    """benchmarks/io_requests.py at tiny size: counts the drive's requests and context switches."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "io_requests.py"
-    spec = importlib.util.spec_from_file_location("io_requests_benchmark", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert module.main(["--tiny", "--steps", "1", "--batch", "2", "--path", str(tmp_path),
-                        "--config", '{"min_bytes": 0}']) == 0
-    text = capsys.readouterr().out
-    assert "mode: offload, host allocator" in text and "per step:" in text
-    assert "training thread" in text and "context switches per step" in text
-    assert "page faults" in text and "reused a freed block" in text
+    assert data["recompute_figures"]["step_time_ratio"] > 0
+    assert data["bench"]["model"]["layers"] >= 8

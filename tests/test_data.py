@@ -1,4 +1,4 @@
-"""Tests for ssdtrain/data.py: synthetic corpus, DALI pipeline and the torch fallback."""
+"""Tests for ssdtrain/bench/data.py: synthetic corpus, DALI pipeline and the torch fallback."""
 
 import logging
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ssdtrain import data
+from ssdtrain.bench import data
 
 SHAPE = dict(vocab=97, seq=16)
 
@@ -74,7 +74,7 @@ def test_dali_loader(tmp_path):
 
 def test_auto_without_dali_says_so_once(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(data, "dali_available", lambda: False)
-    with caplog.at_level(logging.WARNING, logger="ssdtrain.data"):
+    with caplog.at_level(logging.WARNING, logger="ssdtrain.bench.data"):
         loader = data.TokenLoader(tmp_path, batch_size=2, num_samples=4, **SHAPE)
         _take(loader, 3)
     assert loader.backend == "torch"

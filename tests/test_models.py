@@ -1,9 +1,9 @@
-"""Tests for ssdtrain/models.py: the bench's GPT-style decoder."""
+"""Tests for ssdtrain/bench/models.py: the bench's GPT-style decoder."""
 
 import pytest
 import torch
 
-from ssdtrain.models import GPT, GPTConfig, preset
+from ssdtrain.bench.models import GPT, GPTConfig, preset
 
 TINY = GPTConfig(vocab=64, seq=16, layers=2, hidden=32, heads=4)
 

@@ -4,18 +4,10 @@
   for backward (parameters and buffers excluded), live until autograd releases them; peak and
   timeline. Used only in untimed steps.
 * :class:`RssSampler` - this process's resident set from ``/proc/self/statm`` on a thread.
-* :func:`mmap_large_allocations` and :func:`malloc_trimmer` - glibc settings so that RSS follows
-  live memory: large tensors are returned to the system when freed, and a step's growth is not
-  hidden by memory an earlier step freed but the allocator kept; :func:`usual_allocations` puts
-  glibc back to what it does unattended, for timing.
-* :func:`stolen_seconds` - CPU time the hypervisor gave to other guests (``steal``), to tell a
-  slow step from a busy host.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 import threading
 import time
@@ -23,8 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["RssSampler", "SavedMeter", "block_saved_bytes", "malloc_trimmer", "mmap_large_allocations",
-           "stolen_seconds", "usual_allocations"]
+__all__ = ["RssSampler", "SavedMeter", "block_saved_bytes"]
 
 
 class _Held:
@@ -200,60 +191,3 @@ class RssSampler:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-
-
-def _libc():
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return None
-
-
-def malloc_trimmer():
-    """``malloc_trim(0)`` from glibc, or a no-op elsewhere."""
-    libc = _libc()
-    trim = getattr(libc, "malloc_trim", None)
-    if trim is None:
-        return lambda: None
-    trim.argtypes = [ctypes.c_size_t]
-    return lambda: trim(0)
-
-
-def mmap_large_allocations(threshold: int = 1 << 20) -> bool:
-    """Make glibc serve allocations of ``threshold`` bytes and more with ``mmap`` (process-wide).
-
-    By default glibc raises its mmap threshold after the first large free, up to 32 MiB, and then
-    serves activation-sized tensors from the heap, which it rarely returns to the system: the
-    RSS then shows the most a step ever allocated, not what is live, and memory an offloader
-    frees would not show. A fixed threshold returns each large tensor's pages on free. Returns
-    False where this is not glibc.
-    """
-    libc = _libc()
-    mallopt = getattr(libc, "mallopt", None)
-    if mallopt is None:
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    return bool(mallopt(-3, int(threshold)))  # -3: M_MMAP_THRESHOLD
-
-
-def usual_allocations() -> bool:
-    """Undo :func:`mmap_large_allocations`: glibc's thresholds as its own adjustment leaves them
-    for tensors of up to 32 MiB (mmap above ``DEFAULT_MMAP_THRESHOLD_MAX``, trim above twice
-    that). Returns False where this is not glibc."""
-    libc = _libc()
-    mallopt = getattr(libc, "mallopt", None)
-    if mallopt is None:
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    return bool(mallopt(-3, 32 << 20)) and bool(mallopt(-1, 64 << 20))  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
-
-
-def stolen_seconds() -> float | None:
-    """CPU time, summed over this machine's CPUs, that the hypervisor ran something else while a
-    CPU of ours had work (the ``steal`` column of ``/proc/stat``); None where it is not known."""
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()
-        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return None

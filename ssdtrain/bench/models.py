@@ -6,7 +6,7 @@ layer scopes (and ``torch.utils.checkpoint`` per block for the ``recompute`` mod
 
 Example::
 
-    from ssdtrain.models import GPT, GPTConfig, preset
+    from ssdtrain.bench.models import GPT, GPTConfig, preset
     model = GPT(preset("quick"))
     loss = model(tokens, targets)   # tokens, targets: int64 (batch, seq)
 """
@@ -63,7 +63,7 @@ class GPTConfig:
 
 
 PRESETS: dict[str, GPTConfig] = {
-    # Tiny: a whole `ssdtrain bench --quick` (three modes, a few steps each) in seconds.
+    # Tiny: a whole `ssdtrain bench --quick` (four modes, a few steps each) in seconds.
     "quick": GPTConfig(vocab=512, seq=128, layers=4, hidden=128, heads=4),
     # A step (batch 4, the bench default) takes a few seconds on 2 CPU cores.
     "default": GPTConfig(vocab=8192, seq=512, layers=8, hidden=512, heads=8),

@@ -1,0 +1,113 @@
+"""``ssdtrain bench`` on the command line: flags to :class:`~ssdtrain.bench.runner.BenchArgs`,
+the run, the table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ssdtrain.bench.drive import THROTTLES
+from ssdtrain.bench.models import preset
+from ssdtrain.bench.modes import MODES
+from ssdtrain.bench.report import format_table, plot
+from ssdtrain.bench.runner import DTYPES, BenchArgs, run
+
+__all__ = ["args_from_cli", "main"]
+
+
+def _size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().removesuffix("b").removesuffix("i")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(t)
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="ssdtrain bench",
+        description="Train a GPT-style decoder in the modes " + ", ".join(MODES) + ", alternated step by step, "
+        "and print step time, memory and drive traffic side by side.",
+    )
+    ap.add_argument("--quick", action="store_true", help="tiny model and few steps (seconds)")
+    ap.add_argument("--layers", type=int)
+    ap.add_argument("--hidden", type=int)
+    ap.add_argument("--heads", type=int)
+    ap.add_argument("--seq", type=int)
+    ap.add_argument("--vocab", type=int)
+    ap.add_argument("--batch", type=int, help="sequences per step (default 4; --quick 8)")
+    ap.add_argument("--steps", type=int, help="timed steps per mode after one warm-up (default 3)")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    ap.add_argument("--naive-attention", action="store_true", help="materialise the s x s scores")
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, from " + ",".join(MODES) + " (default: all)")
+    ap.add_argument("--path", help="offload directory (default: $SSDTRAIN_PATH, else the temp dir)")
+    ap.add_argument("--drive-gbps", type=float, metavar="X",
+                    help="run the offload modes on a drive limited to X GB/s each way (write and read)")
+    ap.add_argument("--throttle", choices=THROTTLES, default="auto",
+                    help="how --drive-gbps limits the drive: cgroup (blkio v1; root), backend (a rate limit "
+                    "in the offloader's backend), auto (cgroup where possible; default)")
+    ap.add_argument("--work-dir", help="cache for the token corpus (default ~/.cache/ssdtrain/bench)")
+    ap.add_argument("--data", choices=("auto", "dali", "torch"), default="auto",
+                    help="input pipeline (auto: DALI if installed)")
+    ap.add_argument("--probe-size", type=_size, help="bytes the drive probe writes and reads (default 256MiB)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    ap.add_argument("--plot", metavar="PATH", help="draw each mode's memory timeline (needs matplotlib)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return ap
+
+
+def args_from_cli(ns: argparse.Namespace) -> BenchArgs:
+    base = preset("quick" if ns.quick else "default")
+    model = base.replace(layers=ns.layers, hidden=ns.hidden, heads=ns.heads, seq=ns.seq, vocab=ns.vocab,
+                         flash=False if ns.naive_attention else None)
+    return BenchArgs(
+        model=model,
+        batch=ns.batch or (8 if ns.quick else 4),
+        steps=ns.steps or 3,
+        dtype=ns.dtype,
+        modes=tuple(m.strip() for m in ns.modes.split(",") if m.strip()),
+        path=ns.path,
+        drive_gbps=ns.drive_gbps,
+        throttle=ns.throttle,
+        work_dir=ns.work_dir,
+        data=ns.data,
+        probe_bytes=ns.probe_size or ((64 << 20) if ns.quick else (256 << 20)),
+        seed=ns.seed,
+        progress=False if ns.no_progress else None,
+        keep_timeline=bool(ns.plot),
+        threads=ns.threads,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = _parser().parse_args(argv)
+    if ns.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("ssdtrain bench: --plot needs matplotlib; pip install 'ssdtrain[plot]'", file=sys.stderr)
+            return 2
+    try:
+        args = args_from_cli(ns)
+        bad = [m for m in args.modes if m not in MODES]
+        if bad or not args.modes:
+            raise ValueError(f"--modes: unknown {', '.join(bad) or '(empty)'}; choose from {', '.join(MODES)}")
+        if args.drive_gbps is not None and not args.drive_gbps > 0:
+            raise ValueError(f"--drive-gbps must be a positive number of GB/s, got {args.drive_gbps}")
+        result = run(args)
+    except (ValueError, ImportError) as exc:
+        print(f"ssdtrain bench: {exc}", file=sys.stderr)
+        return 2
+    print(format_table(result))
+    if ns.json:
+        data = {k: v for k, v in result.items() if k != "timeline"}
+        with open(ns.json, "w") as f:
+            json.dump(data, f, indent=2, default=str)
+            f.write("\n")
+    if ns.plot:
+        plot(result, ns.plot)
+        print(f"memory timeline: {ns.plot}")
+    return 0

@@ -1,0 +1,140 @@
+"""What ``ssdtrain bench`` prints (:func:`format_table`) and draws (:func:`plot`)."""
+
+from __future__ import annotations
+
+__all__ = ["format_table", "plot"]
+
+
+def _fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"x{x:.2f}"
+
+
+def _header(result: dict) -> list[str]:
+    m, mach, drive = result["model"], result["machine"], result["drive"]
+    lines = [
+        f"model: {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads, seq {m['seq']}, "
+        f"vocab {m['vocab']}, {m['params'] / 1e6:.1f}M params; batch {m['batch']}, {m['dtype']}, {m['device']}; "
+        f"{m['steps']} timed steps per mode after 1 warm-up, modes alternated",
+        f"machine: {mach['cpu']}, {mach['cpus']} CPUs, torch {mach['torch']}, {mach['date']}",
+        f"input: {result['input']['backend']} pipeline",
+    ]
+    if drive.get("write_gbps") is not None:
+        probe = drive.get("probe") or [{}]
+        io = "O_DIRECT" if all(p.get("direct_io") for p in probe) else "buffered"
+        fs = ",".join(sorted({p.get("fs_type", "?") for p in probe}))
+        lines.append(f"drive: {', '.join(drive['paths'])} ({fs}, {io}): raw write "
+                     f"{drive['write_gbps']:.2f} GB/s, read {drive['read_gbps']:.2f} GB/s (probe, same run)")
+        lines += [f"  warning: {w}" for w in drive.get("warnings", [])]
+    elif result.get("offload"):
+        lines.append(f"drive: {', '.join(drive['paths'])}: raw bandwidth unknown ({drive.get('error', 'no probe')})")
+    if drive.get("limit"):
+        from ssdtrain.bench.drive import DriveLimit
+
+        limit = drive["limit"]
+        lines.append("drive limit: " + DriveLimit(limit["gbps"], limit["method"], tuple(limit["devices"]),
+                                                  limit["why"]).describe())
+    backends = {o["backend"] for o in result.get("offload", {}).values()}
+    for backend in sorted(backends):
+        lines.append(f"offload backend: {backend}")
+    return lines
+
+
+def _table(result: dict) -> list[str]:
+    head = ("mode", "step", "vs base", "peak saved", "vs base", "peak RSS+", "vs base",
+            "written", "read", "write GB/s", "read GB/s", "stall")
+    rows = [head]
+    for name, r in result["modes"].items():
+        def bw(kind: str) -> str:
+            if not r["written_bytes" if kind == "write" else "read_bytes"]:
+                return "-"
+            share = r[f"{kind}_share_of_drive"]
+            return f"{r[f'{kind}_gbps']:.2f}" + (f" ({share:.0%})" if share is not None else "")
+        rows.append((
+            name, f"{r['step_time_s']:.3f}s", _ratio(r["step_time_ratio"]),
+            _fmt_bytes(r["peak_saved_bytes"]), _ratio(r["peak_saved_ratio"]),
+            _fmt_bytes(r["peak_rss_bytes"]), _ratio(r["peak_rss_ratio"]),
+            _fmt_bytes(r["written_bytes"]) if r["written_bytes"] else "-",
+            _fmt_bytes(r["read_bytes"]) if r["read_bytes"] else "-",
+            bw("write"), bw("read"), f"{r['stall_s']:.3f}s" if "drive" in r else "-",
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = []
+    for i, row in enumerate(rows):
+        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
+        lines.append("  ".join(cells))
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return lines
+
+
+def _drive_lines(result: dict) -> list[str]:
+    lines = []
+    for name, r in result["modes"].items():
+        d = r.get("drive")
+        if d is None:
+            continue
+        if d["capacity_bytes"] is None:
+            lines.append(f"{name}: moved {_fmt_bytes(d['moved_bytes'])}/step; drive rates unknown, so no capacity")
+            continue
+        lines.append(f"{name}: drive could carry {_fmt_bytes(d['capacity_bytes'])}/step, moved "
+                     f"{_fmt_bytes(d['moved_bytes'])} ({d['moved_share']:.0%})  [min(write {d['write_gbps']:.2f} GB/s x "
+                     f"forward {d['forward_s']:.3f}s, read {d['read_gbps']:.2f} GB/s x backward {d['backward_s']:.3f}s)]")
+        made = f"{d['made_per']}'s forward makes {d['made_gbps']:.2f} GB/s of activations"
+        if d["drive_limited"]:
+            lines.append(f"  regime: drive slower than forward makes activations ({made}, the drive writes "
+                         f"{d['write_gbps']:.2f}): drive-limited")
+        else:
+            lines.append(f"  regime: drive faster than forward makes activations ({made}, the drive writes "
+                         f"{d['write_gbps']:.2f})")
+    return lines
+
+
+def format_table(result: dict) -> str:
+    """The human-readable report ``ssdtrain bench`` prints."""
+    lines = _header(result) + [""] + _table(result)
+    vs = result["modes"].get("recompute+offload", {}).get("vs_recompute")
+    if vs:
+        lines += ["", f"recompute+offload vs recompute: step {_ratio(vs['step_time_ratio'])} (median over rounds), "
+                      f"peak saved {_ratio(vs['peak_saved_ratio'])}"]
+    drive = _drive_lines(result)
+    if drive:
+        lines += [""] + drive
+    lines += ["", "step: median; vs base (step): median over rounds of the ratio to baseline's step in the same "
+              "round; peak saved: saved-activation bytes in memory; peak RSS+: resident set growth within a "
+              "step (measured in a child process); written/read: per step; GB/s: per step time (share of the drive's)"]
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> None:
+    """Saved-activation bytes over one step per mode, forward and backward marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timelines = result["timeline"]
+    fig, axes = plt.subplots(len(timelines), 1, figsize=(8, 2.4 * len(timelines)), squeeze=False)
+    for ax, (name, tl) in zip(axes[:, 0], timelines.items()):
+        pts = list(tl["points"]) + [(tl["step_end"], tl["points"][-1][1] if tl["points"] else 0)]
+        xs = [p[0] for p in pts]
+        ys = [p[1] / 2**20 for p in pts]
+        ax.step(xs, ys, where="post", color="C0")
+        ax.axvspan(0, tl["forward_end"], color="C2", alpha=0.12, label="forward")
+        ax.axvspan(tl["forward_end"], tl["backward_end"], color="C3", alpha=0.12, label="backward")
+        ax.set_title(name, loc="left", fontsize=10)
+        ax.set_ylabel("saved MiB")
+        ax.legend(loc="upper right", fontsize=8)
+    axes[-1, 0].set_xlabel("seconds since step start")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

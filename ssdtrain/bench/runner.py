@@ -1,0 +1,285 @@
+"""``ssdtrain bench``'s run: the modes side by side, and the figures the table shows.
+
+The modes (:mod:`ssdtrain.bench.modes`) train the same model (same initial weights, same
+batches) in one process. Each round runs every mode once on the same batch, in alternating
+order (baseline, recompute, offload, recompute+offload; then the reverse; ...), so that noise
+from the machine hits all alike; the first round is a warm-up and is not counted. Timed steps
+carry no instrumentation but the offloader's own counters. Memory is measured before them, in
+untimed steps in a child process (Note [memory in a child process] in ``_memory.py``).
+
+What :func:`run` returns per mode (``result["modes"][name]``):
+
+* **step time** - median over the timed steps (zero_grad, forward, backward, optimizer step;
+  for the offload modes also ``off.wait()``), with forward and backward medians apart;
+  **ratio** - the median over rounds of the step time divided by baseline's in the same round
+  (Note [timing on a noisy machine]); recompute+offload also against recompute.
+* **peak saved** - the peak bytes of saved activations held in memory. For the offload modes
+  this is the offloader's ``peak_resident_bytes`` (max over the timed steps); recompute+offload
+  adds one block's activations, which recomputing a block holds outside the offloader (an upper
+  bound: it assumes the recomputation at the offloader's peak). For baseline and recompute it is
+  counted in an untimed step by a ``saved_tensors_hooks`` counter of unique storages
+  (parameters and buffers excluded), with, for recompute, each block's input until its backward
+  and one block's activations while it is recomputed.
+* **peak RSS growth** - the child process's resident set sampled every ~2 ms during an untimed
+  step (each mode's second), max minus the value at the step's start.
+* **written / read** - bytes per step to and from the drive, their rate over the step time and
+  that rate's share of the drive's; **stall** - median seconds per step compute waited on I/O.
+* **drive** (offload modes) - what the drive could carry in a step,
+  ``min(B_write * T_forward, B_read * T_backward)``, with B the probe's raw O_DIRECT rates or
+  the ``--drive-gbps`` limit; the share of it that was written; and the regime: whether the
+  drive writes slower than forward makes activations (distinct saved bytes per second of the
+  reference mode's forward: baseline's for offload, recompute's for recompute+offload).
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import platform
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ssdtrain.bench._progress import Progress
+from ssdtrain.bench.drive import DriveLimit, choose_limit, drive_rates, limited, probe
+from ssdtrain.bench.models import GPT, GPTConfig
+from ssdtrain.bench.modes import MODES, OFFLOAD_MODES, Mode, Step, offloader_factory
+
+__all__ = ["DTYPES", "MODES", "BenchArgs", "run"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DEVICES = ("cpu",)
+GB = 1e9
+REFERENCE = {"offload": "baseline", "recompute+offload": "recompute"}
+"""The mode each offload mode is compared with: the same model without offloading."""
+
+
+@dataclass(kw_only=True)
+class BenchArgs:
+    """One bench run's settings (the CLI flags, resolved)."""
+
+    model: GPTConfig
+    batch: int
+    steps: int
+    """Timed steps per mode (after one warm-up step each)."""
+    dtype: str = "float32"
+    device: str = "cpu"
+    """Where the model trains; only ``"cpu"`` so far."""
+    modes: tuple[str, ...] = MODES
+    path: str | None = None
+    """Offload directory; ``None``: the OffloadConfig default ($SSDTRAIN_PATH or the temp dir)."""
+    drive_gbps: float | None = None
+    """Limit the offload modes' drive to this many GB/s each way; ``None``: no limit."""
+    throttle: str = "auto"
+    """How to limit it: ``cgroup`` (blkio, root), ``backend`` (ThrottledBackend), ``auto``."""
+    work_dir: str | None = None
+    """Where the token corpus is cached; ``None``: ~/.cache/ssdtrain/bench."""
+    data: str = "auto"
+    probe_bytes: int = 256 << 20
+    seed: int = 0
+    progress: bool | None = None
+    keep_timeline: bool = False
+    threads: int | None = None
+    """torch intra-op threads; ``None``: torch's default."""
+
+
+def _default_work_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "ssdtrain", "bench")
+
+
+def _machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+def _check(args: BenchArgs) -> None:
+    bad = [m for m in args.modes if m not in MODES]
+    if bad or not args.modes:
+        raise ValueError(f"modes: unknown {', '.join(map(repr, bad)) or '(none given)'}; choose from {', '.join(MODES)}")
+    if args.steps < 1 or args.batch < 1:
+        raise ValueError(f"steps and batch must be >= 1, got {args.steps} and {args.batch}")
+    if args.dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
+    if args.device not in DEVICES:
+        raise ValueError(f"device {args.device!r} is not supported by the bench yet; use {', '.join(DEVICES)}")
+
+
+def run(args: BenchArgs) -> dict:
+    """Runs the bench and returns the result dict (the structure ``--json`` writes)."""
+    from ssdtrain.bench._memory import measure_in_child
+    from ssdtrain.config import OffloadConfig
+
+    _check(args)
+    dtype = DTYPES[args.dtype]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    paths = list(OffloadConfig(path=args.path).paths if args.path else OffloadConfig().paths)
+    offloading = bool(set(args.modes) & set(OFFLOAD_MODES))
+    result: dict[str, Any] = {"machine": _machine()}
+    drive: dict[str, Any] = {"paths": paths, "write_gbps": None, "read_gbps": None}
+    if offloading:
+        drive = probe(paths, args.probe_bytes, args.progress)  # the raw drive, before any limit
+    limit = choose_limit(paths, args.drive_gbps, args.throttle) if offloading and args.drive_gbps else None
+    drive["limit"] = limit.as_dict() if limit else None
+    result["drive"] = drive
+
+    cfg = args.model
+    result["model"] = {**asdict(cfg), "batch": args.batch, "dtype": args.dtype, "device": args.device,
+                       "steps": args.steps, "warmup_steps": 1}
+    with limited(limit):
+        bar = Progress(total=len(args.modes) * (2 + args.steps), label="bench", enabled=args.progress)
+        try:
+            bar.draw("memory steps (child process)", force=True)
+            spec = {"model": asdict(cfg), "dtype": args.dtype, "batch": args.batch, "seed": args.seed,
+                    "threads": args.threads, "modes": list(args.modes), "path": args.path,
+                    "limit": limit.as_dict() if limit else None}
+            memory = measure_in_child(spec)
+            bar.update(len(args.modes))
+            steps = _timed_rounds(args, cfg, dtype, limit, bar, result)
+        finally:
+            bar.close()
+    result["modes"] = _summarize(steps, memory, drive, limit)
+    if args.keep_timeline:
+        result["timeline"] = {name: memory[name]["timeline"] for name in args.modes}
+    return result
+
+
+def _timed_rounds(args: BenchArgs, cfg: GPTConfig, dtype, limit: DriveLimit | None, bar: Progress,
+                  result: dict) -> dict[str, list[Step]]:
+    from ssdtrain.bench.data import TokenLoader
+
+    loader = TokenLoader(Path(args.work_dir or _default_work_dir()) / "corpus", batch_size=args.batch,
+                         seq=cfg.seq, vocab=cfg.vocab, num_samples=max(256, 4 * args.batch),
+                         seed=args.seed, backend=args.data)
+    result["input"] = {"backend": loader.backend}
+    torch.manual_seed(args.seed)
+    reference = GPT(cfg).to(dtype)
+    result["model"]["params"] = reference.num_params()
+    make_offloader = offloader_factory(args.path, limit)
+    modes: dict[str, Mode] = {}
+    steps: dict[str, list[Step]] = {name: [] for name in args.modes}
+    try:
+        for name in args.modes:
+            modes[name] = Mode(name, copy.deepcopy(reference), make_offloader)
+        del reference
+        result["offload"] = {name: {"backend": m.off.stats().backend, "config": _config_dict(m.off.config)}
+                             for name, m in modes.items() if m.off is not None}
+        batches = iter(loader)
+        # Note [timing on a noisy machine]: each round runs every mode once on the same batch,
+        # in alternating order (A B, B A, ...) so that neither mode always follows the other;
+        # ratios are taken within a round, where the machine's state is shared, and their
+        # median over rounds is reported.
+        for r in range(1 + args.steps):
+            tokens, targets = next(batches)
+            order = list(modes.items())
+            for name, mode in order if r % 2 == 0 else reversed(order):
+                bar.draw(f"{name} step {r}/{args.steps}" + (" (warm-up)" if r == 0 else ""), force=True)
+                step = mode.timed_step(tokens, targets)
+                if r > 0:
+                    steps[name].append(step)
+                    bar.update(note=f"{name} {step.seconds:.2f}s")
+    finally:
+        for name, mode in modes.items():
+            if mode.off is not None and name in result.get("offload", {}):
+                # The warm-up step's too: the drive may take less once the offloader has learnt it.
+                result["offload"][name]["written_bytes_all_steps"] = mode.off.stats().written_bytes
+            mode.close()
+        loader.close()
+    return steps
+
+
+def _config_dict(config) -> dict:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(config).items()}
+
+
+def _per_round(ss: list[Step], ref: list[Step] | None) -> list[float] | None:
+    return [s.seconds / b.seconds for s, b in zip(ss, ref)] if ref else None
+
+
+def _summarize(steps: dict[str, list[Step]], memory: dict, drive: dict, limit: DriveLimit | None) -> dict:
+    out: dict[str, dict] = {}
+    base = steps.get("baseline")
+    for name, ss in steps.items():
+        t = statistics.median(s.seconds for s in ss)
+        if name in OFFLOAD_MODES:
+            peak_saved = max(s.peak_saved or 0 for s in ss)  # the worst step: what memory must hold
+            if name == "recompute+offload":
+                peak_saved += memory["block_bytes"]
+        else:
+            peak_saved = memory[name]["peak_saved_bytes"]
+        written = round(statistics.fmean(s.written for s in ss))
+        read = round(statistics.fmean(s.read for s in ss))
+        ratios = _per_round(ss, base)
+        out[name] = {
+            "step_time_s": t,
+            "step_times_s": [s.seconds for s in ss],
+            "forward_s": statistics.median(s.forward for s in ss),
+            "backward_s": statistics.median(s.backward for s in ss),
+            # Note [timing on a noisy machine]: the median of the per-round ratios.
+            "step_time_ratio": statistics.median(ratios) if ratios else None,
+            "step_time_ratios": ratios,
+            "step_time_ratio_of_medians": t / statistics.median(b.seconds for b in base) if base else None,
+            "peak_saved_bytes": peak_saved,
+            "peak_rss_bytes": memory[name]["rss_growth_bytes"],
+            "peak_saved_bytes_per_step": [s.peak_saved for s in ss] if name in OFFLOAD_MODES else None,
+            "written_bytes": written,
+            "read_bytes": read,
+            "unique_bytes": round(statistics.fmean(s.unique for s in ss)),
+            "write_gbps": written / t / GB,
+            "read_gbps": read / t / GB,
+            "stall_s": statistics.median(s.stall for s in ss),
+            "losses": [s.loss for s in ss],
+        }
+    bw, br = drive_rates(drive, limit)
+    for name, row in out.items():
+        for key, ref_key in (("peak_saved_ratio", "peak_saved_bytes"), ("peak_rss_ratio", "peak_rss_bytes")):
+            ref = out["baseline"][ref_key] if "baseline" in out else None
+            row[key] = row[ref_key] / ref if ref and row[ref_key] is not None else None
+        for kind, raw in (("write", bw), ("read", br)):
+            row[f"{kind}_share_of_drive"] = row[f"{kind}_gbps"] / raw if raw else None
+        ref_name = REFERENCE.get(name)
+        if name == "recompute+offload" and "recompute" in out:
+            rec = out["recompute"]
+            row["vs_recompute"] = {
+                "step_time_ratio": statistics.median(_per_round(steps[name], steps["recompute"])),
+                "peak_saved_ratio": row["peak_saved_bytes"] / rec["peak_saved_bytes"] if rec["peak_saved_bytes"] else None,
+            }
+        if name in OFFLOAD_MODES:
+            forward_ref = out[ref_name]["forward_s"] if ref_name in out else row["forward_s"]
+            row["drive"] = _drive_figures(row, bw, br, forward_ref, ref_name if ref_name in out else name)
+    return out
+
+
+def _drive_figures(row: dict, bw: float | None, br: float | None, forward_ref: float, ref_name: str) -> dict:
+    """What the drive could carry in this mode's step, what was moved, and the regime."""
+    made = row["unique_bytes"] / forward_ref / GB  # GB/s of distinct saved bytes forward makes
+    fig: dict[str, Any] = {"write_gbps": bw, "read_gbps": br, "forward_s": row["forward_s"],
+                           "backward_s": row["backward_s"], "made_gbps": made, "made_per": ref_name,
+                           "moved_bytes": row["written_bytes"], "capacity_bytes": None, "moved_share": None,
+                           "drive_limited": None}
+    if bw and br:
+        capacity = min(bw * row["forward_s"], br * row["backward_s"]) * GB
+        fig.update(capacity_bytes=capacity, moved_share=row["written_bytes"] / capacity if capacity else None,
+                   drive_limited=made > bw)
+    return fig
