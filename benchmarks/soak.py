@@ -29,6 +29,23 @@ def _rss() -> int:
         return int(f.read().split()[1]) * 4096
 
 
+def _arena_bytes(path: str) -> int:
+    """Disk blocks of the arena files this process holds open under ``path`` (unlinked files,
+    found through /proc/self/fd)."""
+    root = os.path.realpath(path)
+    seen, total = set(), 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            st = os.fstat(int(fd))
+        except OSError:
+            continue
+        if target.startswith(root + os.sep) and (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
+            total += st.st_blocks * 512
+    return total
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=1000)
@@ -39,7 +56,6 @@ def main(argv: list[str] | None = None) -> int:
     model = nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.Tanh()) for _ in range(4)])
     x = torch.randn(32, 128)
     off = ssdtrain.Offloader(model, path=args.path, min_bytes=0)
-    arena_fd = next(iter(off._backend._arenas)).fileno()
     rows = []
     for i in range(1, args.steps + 1):
         with off:
@@ -48,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         if i % args.every == 0:
             off.wait()
             row = (i, len(os.listdir("/proc/self/fd")), threading.active_count(), _rss(),
-                   os.fstat(arena_fd).st_blocks * 512, off.stats().live_disk_bytes)
+                   _arena_bytes(args.path), off.stats().live_disk_bytes)
             rows.append(row)
             print("step %5d  fds %3d  threads %2d  rss %7.1f MiB  arena %7.1f KiB  live disk %d B" % (
                 row[0], row[1], row[2], row[3] / 2**20, row[4] / 1024, row[5]), flush=True)
