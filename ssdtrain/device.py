@@ -3,88 +3,348 @@
 No other module of ssdtrain calls ``torch.cuda``. Nothing here runs at import, and nothing here
 initialises CUDA unless a CUDA tensor is actually being offloaded.
 
-GPU-ONLY CODE: the CUDA branches below have not run on a GPU in this project's CI (its machines
-have none). Their ordering logic is what the CPU tests exercise through the ``ready`` callables;
-keep them small and keep every rule written down as a named note.
+What the engine calls (``ssdtrain/offloader.py``):
+
+* pack: :func:`producer_fence` for a tensor that will be written (Note [write waits for the
+  producer]); refuse under :func:`capturing` (Note [no offloading inside CUDA graph capture]);
+* unpack: :func:`consumer_fence` for a fresh reload buffer (Note [reload waits for the
+  allocation point]), and :func:`for_consumer` on every tensor handed back to autograd (Note
+  [reload buffers belong to their consumer stream]).
+
+What the backends call on their I/O threads: :func:`copy_on_side_stream`, :func:`side_stream`,
+:func:`synchronize`, :func:`queue_copy`, :func:`order`, :func:`staging`, :func:`pinned_empty`,
+:func:`on_device`.
+
+GPU-ONLY CODE: the CUDA branches below run only where there is a GPU (``pytest -m gpu tests/gpu``
+and ``ssdtrain selftest``); the CPU suite exercises their ordering logic through the ``ready``
+callables. Keep them small and keep every rule written down as a named note.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
-__all__ = ["is_cuda", "producer_fence", "consumer_fence", "copy_on_side_stream", "pinned_empty"]
+__all__ = [
+    "is_cuda", "Fence", "producer_fence", "consumer_fence", "order", "copy_on_side_stream", "side_stream",
+    "synchronize", "queue_copy", "staging", "pinned_empty", "on_device", "capturing", "for_consumer", "stream_source",
+]
+
+log = logging.getLogger(__name__)
+
+PAGE = 4096
 
 
 def is_cuda(t: torch.Tensor) -> bool:
     return t.device.type == "cuda"
 
 
+# Note [I/O threads set their device]
+# The CUDA runtime binds a thread to a context on its first call that needs one, on the thread's
+# current device -- device 0 unless the thread set another. An I/O thread that synchronises an
+# event or creates a stream for a tensor on cuda:3 would otherwise create (and keep) a context
+# on GPU 0: hundreds of MiB there for every rank of a multi-GPU job, and calls into the wrong
+# context. Every function below that can run on an I/O thread enters the tensor's device first
+# (``torch.cuda.device``: restores the previous one, a no-op when it is already current), as
+# torch's own pin-memory thread does.
+def _on(dev: torch.device):
+    return torch.cuda.device(dev)
+
+
+class Fence:
+    """A point on a CUDA stream that I/O must not overtake.
+
+    Calling it blocks the calling thread until the stream got there; :meth:`order` makes another
+    stream wait for it instead, without blocking any thread (Note [reload waits for the
+    allocation point]).
+
+    Note [waiting threads sleep]: the event is created with ``blocking=True``
+    (``cudaEventBlockingSync``): a thread waiting on it sleeps in the driver. Without the flag a
+    waiting thread may spin on a core, and with several I/O threads waiting at once that takes
+    cores from the data loader and from the thread that launches the kernels.
+    """
+
+    __slots__ = ("event", "device")
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self.device = stream.device
+        self.event = torch.cuda.Event(blocking=True)
+        self.event.record(stream)
+
+    def __call__(self) -> None:
+        with _on(self.device):
+            self.event.synchronize()
+
+    def order(self, stream: torch.cuda.Stream) -> None:
+        """Work queued on ``stream`` from now on runs only after the fenced point."""
+        stream.wait_event(self.event)
+
+    def done(self) -> bool:
+        with _on(self.device):
+            return self.event.query()
+
+
 # Note [write waits for the producer]
 # On a GPU, pack runs on the host as soon as the kernel that produced the tensor is *queued*,
 # not finished. The writer must not read the tensor's memory before that kernel ran, so pack
-# records an event on the producing (current) stream and the I/O thread waits on it before it
-# copies or DMAs anything. On the CPU, ops are synchronous: the bytes are final when pack runs.
-def producer_fence(t: torch.Tensor) -> Callable[[], None] | None:
-    """Returns a callable that blocks until the stream that produced ``t`` has finished it."""
+# records an event on the current stream (every stream that produced the tensor is ordered
+# before it: the op that saves the tensor is about to read it there) and the I/O thread orders
+# its copy or DMA after that event -- on the device when the copy runs on its own stream
+# (:func:`order`), else by waiting. On the CPU, ops are synchronous: the bytes are final when
+# pack runs.
+def producer_fence(t: torch.Tensor) -> Fence | None:
+    """A fence after the kernels that produced ``t`` (``None`` for host tensors)."""
     if not is_cuda(t):
         return None
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(t.device))
-    return event.synchronize
+    return Fence(torch.cuda.current_stream(t.device))
 
 
-# Note [reload visible after its read]
-# A reload buffer is allocated on the compute stream; the caching allocator may hand out a block
-# that kernels already queued on that stream still use. The I/O thread therefore waits for the
-# compute stream (as of the allocation) before writing into the buffer, and the read's future
-# completes only after the bytes are in device memory (its side stream is synchronised), so
-# the unpacked tensor is visible to compute when unpack returns it.
-def consumer_fence(buf: torch.Tensor) -> Callable[[], None] | None:
-    """Returns a callable that blocks until the compute stream is done with ``buf``'s old contents."""
-    return producer_fence(buf)
+# Note [reload waits for the allocation point]
+# A reload buffer is allocated on the main thread, under the compute stream; the caching
+# allocator may hand out a block that kernels already queued on that stream still use (they run
+# before any later kernel of that stream, which is all the allocator promises). The bytes read
+# back must therefore land only after the compute stream passed the allocation point. The fence
+# is an event recorded there. A backend that copies into the buffer on its own side stream makes
+# that stream wait for the event (:func:`order`, on the device): the read from the drive starts
+# at once, and only the last host-to-device copy waits. A backend whose device access is not on
+# a stream of ours (kvikio's pread) calls the fence and waits on the host. Either way the read's
+# future completes only once the bytes are in device memory (the side stream is synchronised),
+# so the tensor is visible to any stream when unpack returns it.
+def consumer_fence(buf: torch.Tensor) -> Fence | None:
+    """A fence after the kernels that may still use ``buf``'s memory (``None`` for host buffers)."""
+    if not is_cuda(buf):
+        return None
+    return Fence(torch.cuda.current_stream(buf.device))
 
 
-_local = threading.local()
+def order(ready: Callable[[], None] | None, stream: torch.cuda.Stream) -> None:
+    """Orders ``stream``'s next work after ``ready``: on the device for a :class:`Fence`, else by
+    calling it (a plain callable waits on the host)."""
+    if ready is None:
+        return
+    if isinstance(ready, Fence):
+        ready.order(stream)
+    else:
+        ready()
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    streams = getattr(_local, "streams", None)
-    if streams is None:
-        streams = _local.streams = {}
-    if device not in streams:
-        streams[device] = torch.cuda.Stream(device=device)
-    return streams[device]
+# Note [reload buffers belong to their consumer stream]
+# Backward may run an op on another stream than the one that was current when its saved tensor's
+# reload buffer was allocated (ops run backward on the stream their forward used). The caching
+# allocator only knows the allocation stream: once the tensor dies it would hand the block out
+# again while kernels queued on the consumer stream still read it. ``record_stream`` tells it.
+def for_consumer(t: torch.Tensor) -> torch.Tensor:
+    """``t`` handed to backward: a CUDA tensor is tied to the current stream, which will use it."""
+    if is_cuda(t):
+        t.record_stream(torch.cuda.current_stream(t.device))
+    return t
 
 
-def copy_on_side_stream(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copies between host and device on this I/O thread's own stream, and waits for it.
-
-    Used by backends that move CUDA tensors through host memory (posix, memory). Blocking on the
-    side stream keeps the compute stream free; callers run on I/O threads, never the main one.
-    """
-    gpu = dst.device if is_cuda(dst) else src.device
-    stream = _side_stream(gpu)
-    with torch.cuda.stream(stream):
-        dst.copy_(src, non_blocking=True)
-    stream.synchronize()
-
-
-def pinned_empty(nbytes: int) -> torch.Tensor:
-    """Page-locked host bytes (for fast, asynchronous host/device copies)."""
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-
+# Note [no offloading inside CUDA graph capture]
+# A captured graph replays device work only: the host-side pack, the I/O threads and the
+# unpack's reads would not run at replay, and pack's event and stream calls are illegal while
+# capturing. The engine refuses (a RuntimeError that says what to do) when a CUDA tensor is
+# saved during capture. The check must not initialise CUDA for a CPU-only run.
 def capturing() -> bool:
     """Whether the current CUDA stream is being captured into a CUDA graph (never initialises CUDA)."""
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
-def for_consumer(t: torch.Tensor) -> torch.Tensor:
-    """``t`` handed to backward: a CUDA reload buffer is tied to the stream that uses it, so the
-    caching allocator does not reuse its memory while kernels queued there still read it."""
-    if is_cuda(t):
-        t.record_stream(torch.cuda.current_stream(t.device))
-    return t
+# Note [a side stream of our own]
+# I/O copies run on a stream of each I/O thread, never on the compute stream. ``torch.cuda.Stream()``
+# does not create a stream: it hands out the next of 32 pooled streams per priority per device,
+# round robin, to everyone in the process -- a framework's collective or prefetch stream can be
+# the same CUDA stream as ours. Then our copies queue behind its work, its work queues behind
+# our fences, and our synchronisation waits for both. So each I/O thread gets a stream created
+# for ssdtrain alone through the driver (``cuStreamCreateWithPriority``, non-blocking: the legacy
+# default stream, where most training computes, neither waits for it nor makes it wait) and
+# wrapped with ``torch.cuda.ExternalStream``. Streams are never destroyed: torch's pinned-memory
+# allocator records events on every stream a pinned block was copied on when the block is freed,
+# which may happen after the thread is gone. A thread that ends gives its stream back to a
+# process-wide free list, so threads of later offloaders reuse it (one stream per I/O thread
+# alive at once, at most). Where the driver cannot be reached, a pooled stream is used and
+# :func:`stream_source` says so.
+class _DriverStreams:
+    """Dedicated CUDA streams from the driver API, reused across threads, never destroyed."""
+
+    CU_STREAM_NON_BLOCKING = 1
+
+    def __init__(self, libname: str = "libcuda.so.1") -> None:
+        self._lib = ctypes.CDLL(libname)
+        for name in ("cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease_v2", "cuCtxPushCurrent_v2",
+                     "cuCtxPopCurrent_v2", "cuStreamCreateWithPriority"):
+            getattr(self._lib, name)  # AttributeError now, not halfway through creating a stream
+        self._lock = threading.Lock()
+        self._free: dict[int, list[int]] = {}
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            name = ctypes.c_char_p()
+            self._lib.cuGetErrorName(rc, ctypes.byref(name))
+            raise RuntimeError(f"{what} failed: {(name.value or b'?').decode()} ({rc})")
+
+    def take(self, index: int) -> int:
+        with self._lock:
+            free = self._free.get(index)
+            if free:
+                return free.pop()
+        lib = self._lib
+        dev, ctx, popped, stream = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        self._check(lib.cuDeviceGet(ctypes.byref(dev), index), "cuDeviceGet")
+        # The primary context is the one the CUDA runtime, and so torch, uses.
+        self._check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+        try:
+            self._check(lib.cuCtxPushCurrent_v2(ctx), "cuCtxPushCurrent")
+            try:
+                self._check(lib.cuStreamCreateWithPriority(ctypes.byref(stream), self.CU_STREAM_NON_BLOCKING, 0),
+                            "cuStreamCreateWithPriority")
+            finally:
+                lib.cuCtxPopCurrent_v2(ctypes.byref(popped))
+        finally:
+            lib.cuDevicePrimaryCtxRelease_v2(dev)  # the runtime keeps its own reference
+        return int(stream.value)
+
+    def give_back(self, index: int, handle: int) -> None:
+        with self._lock:
+            self._free.setdefault(index, []).append(handle)
+
+
+class _Lease:
+    """A dedicated stream held by this thread; back to the free list when the thread ends."""
+
+    def __init__(self, streams: _DriverStreams, index: int, handle: int) -> None:
+        self.streams, self.index, self.handle = streams, index, handle
+
+    def __del__(self) -> None:
+        try:
+            self.streams.give_back(self.index, self.handle)
+        except Exception:  # interpreter shutdown
+            pass
+
+
+_driver_lock = threading.Lock()
+_driver: list = []  # [streams or None, where streams come from]: process-wide, as streams are
+_local = threading.local()
+
+
+def _driver_streams() -> _DriverStreams | None:
+    with _driver_lock:
+        if not _driver:
+            try:
+                _driver[:] = [_DriverStreams(), "dedicated"]
+            except (OSError, AttributeError) as e:
+                _driver[:] = [None, f"pool (the CUDA driver library cannot be used: {e})"]
+                log.info("ssdtrain: I/O streams come from torch's pool: %s", e)
+        return _driver[0]
+
+
+def stream_source() -> str:
+    """Where I/O side streams come from: ``"dedicated"`` (Note [a side stream of our own]) or
+    ``"pool (why)"``; ``"none yet"`` before the first one was made."""
+    with _driver_lock:
+        return _driver[1] if _driver else "none yet"
+
+
+def side_stream(dev: torch.device) -> torch.cuda.Stream:
+    """This thread's own non-blocking stream on ``dev`` (Note [a side stream of our own])."""
+    streams = _local.__dict__.setdefault("streams", {})
+    stream = streams.get(dev)
+    if stream is None:
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        with _on(dev):
+            driver = _driver_streams()
+            if driver is not None:
+                try:
+                    handle = driver.take(index)
+                except RuntimeError as e:
+                    with _driver_lock:
+                        _driver[:] = [None, f"pool ({e})"]
+                    log.info("ssdtrain: I/O streams come from torch's pool: %s", e)
+                else:
+                    _local.__dict__.setdefault("leases", []).append(_Lease(driver, index, handle))
+                    stream = torch.cuda.ExternalStream(handle, device=dev)
+            if stream is None:
+                stream = torch.cuda.Stream(device=dev)
+        streams[dev] = stream
+    return stream
+
+
+def synchronize(stream: torch.cuda.Stream) -> None:
+    """Waits until ``stream`` ran everything queued on it, asleep (Note [waiting threads sleep]).
+
+    ``Stream.synchronize`` may spin: a blocking event recorded at the end is waited on instead.
+    """
+    events = _local.__dict__.setdefault("events", {})
+    dev = stream.device
+    with _on(dev):
+        event = events.get(dev)
+        if event is None:
+            event = events[dev] = torch.cuda.Event(blocking=True)
+        event.record(stream)
+        event.synchronize()
+
+
+def copy_on_side_stream(dst: torch.Tensor, src: torch.Tensor, *, after: Callable[[], None] | None = None) -> None:
+    """Copies between host and device on this I/O thread's own stream, and waits for it.
+
+    ``after`` (a :class:`Fence`, or any callable that waits) orders the copy: a fence makes the
+    side stream wait on the device, so the calling thread does not block for it (Note [reload
+    waits for the allocation point]). Used by backends that move CUDA tensors through host memory
+    (posix, memory, kvikio without GDS). Callers run on I/O threads, never the main one.
+    """
+    gpu = dst.device if is_cuda(dst) else src.device
+    with _on(gpu):
+        stream = side_stream(gpu)
+        order(after, stream)
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+        synchronize(stream)
+
+
+def queue_copy(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream,
+               event: torch.cuda.Event | None = None) -> torch.cuda.Event:
+    """Queues a host/device copy on ``stream`` without waiting; returns a blocking event recorded
+    after it (``event``, when given, is recorded again). ``event.synchronize()`` waits for it."""
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=True)
+    if event is None:
+        event = torch.cuda.Event(blocking=True)
+    event.record(stream)
+    return event
+
+
+def pinned_empty(nbytes: int) -> torch.Tensor:
+    """Page-locked host bytes (for fast, asynchronous host/device copies).
+
+    torch allocates them under a device that already has a context, so this creates none.
+    """
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def staging(nbytes: int) -> torch.Tensor:
+    """This thread's page-aligned pinned buffer of at least ``nbytes`` (grown on demand, kept
+    for the thread's life): the host side of a CUDA tensor's trip to and from the drive, usable
+    for ``O_DIRECT``. torch's pinned allocator does not promise page alignment, so the block has
+    a page of slack and the buffer starts at the first page boundary in it."""
+    buf = getattr(_local, "staging", None)
+    if buf is None or buf.numel() < nbytes:
+        size = -(-max(nbytes, 1) // PAGE) * PAGE
+        block = pinned_empty(size + PAGE)
+        buf = block[-block.data_ptr() % PAGE:][:size]  # a view: it keeps ``block`` alive
+        _local.staging = buf
+    return buf
+
+
+@contextlib.contextmanager
+def on_device(dev: torch.device) -> Iterator[None]:
+    """Enters ``dev`` for CUDA calls on an I/O thread (Note [I/O threads set their device])."""
+    if dev.type != "cuda":
+        yield
+        return
+    with _on(dev):
+        yield

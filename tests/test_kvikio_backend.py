@@ -1,30 +1,34 @@
-"""The kvikio backend (ssdtrain/store/kvikio_backend.py) against real kvikio.
+"""The kvikio backend (ssdtrain/store/kvikio_backend.py) against real kvikio, and how ``auto``
+chooses it (ssdtrain/store/__init__.py).
 
 kvikio loads the CUDA driver library for any I/O, even on host memory. Where there is none (CI
 has no GPU), the ``cuda_driver`` fixture builds the test-only stand-in in tests/_fake_cuda/ with
 the system C compiler and loads it under the driver's name, ``libcuda.so.1``: every call answers
 "not initialised", which kvikio takes to mean host memory, served by its POSIX path.
+
+The CUDA paths (GDS, and compat mode's pinned staging) run for real only on a GPU
+(tests/gpu/); here their windowing, ordering and checksum logic runs on host tensors that the
+``pretend_cuda`` fixture makes the backend take for device memory.
 """
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import importlib
 import os
-import pathlib
-import shutil
-import subprocess
 import sys
+import threading
 import time
+import types
 
 import pytest
 import torch
+from _fake_cuda import load_driver
 
 from ssdtrain.config import OffloadConfig
 from ssdtrain.store import _arena
 from ssdtrain.store.base import ALIGN, ChecksumError, StorageError
 
-FAKE_CUDA = pathlib.Path(__file__).parent / "_fake_cuda" / "libcuda.c"
 MESSAGE = "kvikio is not installed; pip install 'ssdtrain[kvikio]'"
 
 
@@ -42,29 +46,113 @@ def test_missing_kvikio_is_one_clear_line(monkeypatch):
         make_backend(OffloadConfig(path="/tmp", backend="kvikio"))
 
 
-def build_stand_in(out_dir: pathlib.Path) -> pathlib.Path:
-    """Compiles the stand-in driver; returns the library's path."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if cc is None:
-        pytest.skip("no C compiler to build the stand-in CUDA driver")
-    lib = out_dir / "libcuda.so.1"
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-Wl,-soname,libcuda.so.1", "-o", str(lib), str(FAKE_CUDA)],
-                   check=True, capture_output=True)
-    return lib
+def _kvikio_modules() -> dict:
+    return {k: v for k, v in sys.modules.items()
+            if k == "kvikio" or k.startswith("kvikio.") or k == "ssdtrain.store.kvikio_backend"}
+
+
+@pytest.fixture
+def fake_kvikio(monkeypatch, tmp_path):
+    """Installs a stand-in ``kvikio`` package whose ``__init__`` is the given source; the real
+    modules (imported or not) are back afterwards."""
+    before = _kvikio_modules()
+
+    def install(init: str, defaults: str = "") -> None:
+        pkg = tmp_path / "fake_site" / "kvikio"
+        pkg.mkdir(parents=True)
+        (pkg / "__init__.py").write_text(init)
+        (pkg / "defaults.py").write_text(defaults)
+        monkeypatch.syspath_prepend(str(pkg.parent))
+        for name in _kvikio_modules():
+            del sys.modules[name]
+        importlib.invalidate_caches()
+
+    yield install
+    for name in _kvikio_modules():
+        del sys.modules[name]
+    sys.modules.update(before)
+
+
+def test_a_kvikio_that_cannot_load_says_why(fake_kvikio, monkeypatch, tmp_path):
+    fake_kvikio('raise OSError("libkvikio.so: cannot open shared object file: No such file or directory")\n')
+    with pytest.raises(ImportError, match="installed but cannot be imported.*libkvikio.so: cannot open") as info:
+        importlib.import_module("ssdtrain.store.kvikio_backend")
+    assert "not installed" not in str(info.value)
+    # Under auto, with a GPU, the same cause is what stats().backend reports.
+    from ssdtrain.store import backend_choice, make_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    name, why = backend_choice(OffloadConfig(path=str(tmp_path), backend="auto"))
+    assert name == "posix" and "libkvikio.so: cannot open" in why
+    b = make_backend(OffloadConfig(path=str(tmp_path), backend="auto"))
+    try:
+        assert b.name == "posix" and "libkvikio.so: cannot open" in b.describe()
+    finally:
+        b.close()
+
+
+def test_a_kvikio_older_than_25_12_is_refused(fake_kvikio, monkeypatch, tmp_path):
+    fake_kvikio('__version__ = "25.10.00"\n')
+    with pytest.raises(ImportError, match=r"kvikio 25.10.00 is too old: ssdtrain needs kvikio 25.12"):
+        importlib.import_module("ssdtrain.store.kvikio_backend")
+    from ssdtrain.store import backend_choice
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    name, why = backend_choice(OffloadConfig(path=str(tmp_path), backend="auto"))
+    assert name == "posix" and "too old" in why
+
+
+def test_auto_without_a_gpu_is_posix_and_says_so(tmp_path):
+    import ssdtrain
+    from ssdtrain.store import backend_choice, choose_backend
+
+    cfg = OffloadConfig(path=str(tmp_path), backend="auto")
+    assert backend_choice(cfg) == ("posix", "no CUDA device") and choose_backend(cfg) == "posix"
+    assert backend_choice(OffloadConfig(path=str(tmp_path), backend="memory")) == ("memory", "asked for")
+    off = ssdtrain.Offloader(path=str(tmp_path), backend="auto", min_bytes=0)
+    try:
+        assert off.backend == "posix" and off.stats().backend.endswith("[auto: no CUDA device]")
+    finally:
+        off.close()
 
 
 @pytest.fixture(scope="module")
 def cuda_driver(tmp_path_factory):
     pytest.importorskip("kvikio")
+    return load_driver(tmp_path_factory.mktemp("fake_cuda"))
+
+
+def test_auto_with_a_gpu_but_no_gds_is_posix(cuda_driver, monkeypatch, tmp_path):
+    # Note [auto picks kvikio only with GDS]
+    from ssdtrain.store import backend_choice, make_backend
+    from ssdtrain.store.kvikio_backend import gds_status
+
+    gds, why = gds_status()
+    if gds:
+        pytest.skip("this machine has GPUDirect Storage")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = OffloadConfig(path=str(tmp_path), backend="auto")
+    assert backend_choice(cfg) == ("posix", f"no GPUDirect Storage: {why}")
+    b = make_backend(cfg)
     try:
-        ctypes.CDLL("libcuda.so.1")
-        return "real"  # a machine with the CUDA driver: use it
-    except OSError:
-        pass
-    lib = build_stand_in(tmp_path_factory.mktemp("fake_cuda"))
-    # Loaded first under its soname, the stand-in is what kvikio's dlopen("libcuda.so.1") finds.
-    ctypes.CDLL(str(lib), mode=os.RTLD_GLOBAL)
-    return "stand-in"
+        assert b.name == "posix" and why in b.describe()
+    finally:
+        b.close()
+
+
+def test_auto_leaves_kvikio_when_a_path_is_not_served_by_gds(cuda_driver, monkeypatch, tmp_path):
+    from ssdtrain.store import kvikio_backend, make_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kvikio_backend, "gds_status", lambda: (True, "GPUDirect Storage (nvidia_fs 2.26)"))
+    b = make_backend(OffloadConfig(path=str(tmp_path), backend="auto"))
+    try:
+        # Either the file system is not one GDS serves, or cuFile (absent here) refused the file.
+        d = b.describe()
+        assert b.name == "posix" and "no GPUDirect Storage" in d
+        assert "which GPUDirect Storage does not serve" in d or "cuFile cannot register the arena file" in d, d
+    finally:
+        b.close()
 
 
 @pytest.fixture
@@ -235,3 +323,200 @@ def test_offloader_gradients_equal_through_kvikio(cuda_driver, tmp_path):
     finally:
         off.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_describe_says_compat_and_why(make, cuda_driver):
+    from ssdtrain.store.kvikio_backend import gds_status
+
+    b = make()
+    if cuda_driver == "stand-in":
+        assert not b.gds and b.describe().startswith(f"kvikio (compat: {gds_status()[1]}; CUDA tensors staged")
+
+
+# -- the CUDA paths' logic, on host tensors the backend takes for device memory -----------------
+class _Stream:
+    cuda_stream = 0
+
+
+@pytest.fixture
+def pretend_cuda(monkeypatch):
+    """Host tensors registered here look like CUDA tensors to the kvikio backend; the device
+    functions it calls for them copy on the host and record what they were asked to do."""
+    from ssdtrain.store import kvikio_backend
+
+    dev = kvikio_backend.device
+    marked: set[int] = set()
+    log: list = []
+    local = threading.local()
+
+    def order(ready, stream):
+        log.append("order")
+        if ready is not None:
+            ready()
+
+    def copy(dst, src, *, after=None):
+        order(after, None)
+        dst.copy_(src)
+
+    def queue_copy(dst, src, stream, event=None):
+        dst.copy_(src)
+        return event or types.SimpleNamespace(synchronize=lambda: log.append("wait copy"))
+
+    def staging(n):
+        buf = getattr(local, "buf", None)
+        if buf is None or buf.numel() < n:
+            block = torch.empty(n + 2 * ALIGN, dtype=torch.uint8)
+            buf = local.buf = block[-block.data_ptr() % ALIGN:][:n + ALIGN]
+        return buf
+
+    monkeypatch.setattr(dev, "is_cuda", lambda t: t.untyped_storage().data_ptr() in marked)
+    monkeypatch.setattr(dev, "order", order)
+    monkeypatch.setattr(dev, "copy_on_side_stream", copy)
+    monkeypatch.setattr(dev, "queue_copy", queue_copy)
+    monkeypatch.setattr(dev, "staging", staging)
+    monkeypatch.setattr(dev, "side_stream", lambda d: _Stream())
+    monkeypatch.setattr(dev, "synchronize", lambda stream: log.append("sync"))
+    monkeypatch.setattr(dev, "on_device", lambda d: contextlib.nullcontext())
+
+    def mark(t: torch.Tensor) -> torch.Tensor:
+        marked.add(t.untyped_storage().data_ptr())
+        return t
+
+    mark.log = log
+    return mark
+
+
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("n", [1, 4096, 5000, (3 << 20) + 7])
+def test_compat_mode_stages_cuda_tensors_through_pinned_memory(make, pretend_cuda, n, direct):
+    # Note [kvikio compat mode serialises with compute]: kvikio is handed host memory only.
+    b = make(chunk_bytes="1MiB", direct_io=None if direct else False)
+    if b.gds:
+        pytest.skip("this machine has GPUDirect Storage")
+    src = pretend_cuda(_bytes(n, n))
+    e = b.allocate(n)
+    fences = []
+    record = b.submit_write(e, src, checksum=True, ready=lambda: fences.append("producer")).result()
+    assert record == zlib_crc(src)
+    dst = pretend_cuda(torch.zeros(n, dtype=torch.uint8))
+    b.submit_read(e, dst, checksum=record, ready=lambda: fences.append("consumer")).result()
+    assert torch.equal(dst, src) and fences == ["producer", "consumer"]
+    dst2 = pretend_cuda(torch.zeros(n, dtype=torch.uint8))
+    arena = b._arenas[e.path_index]
+    os.pwrite(arena.file.fileno(), bytes([src[n // 2].item() ^ 0xFF]), e.offset + n // 2)
+    with pytest.raises(ChecksumError, match="checksum mismatch"):
+        b.submit_read(e, dst2, checksum=record).result()
+
+
+def test_compat_read_keeps_reading_while_copies_wait(make, pretend_cuda):
+    # Each half of the staging buffer is reused only after its last copy was waited for.
+    b = make(chunk_bytes="1MiB")
+    n = (5 << 20) + 3
+    src = pretend_cuda(_bytes(n, 9))
+    e = b.allocate(n)
+    b.submit_write(e, src).result()
+    pretend_cuda.log.clear()
+    dst = pretend_cuda(torch.zeros(n, dtype=torch.uint8))
+    b.submit_read(e, dst, ready=lambda: None).result()
+    assert torch.equal(dst, src)
+    log = pretend_cuda.log
+    assert log[0] == "order" and log[-1] == "sync" and log.count("order") == 1
+    from ssdtrain.store._hostbuf import windows
+
+    wins = list(windows(n, 0, 1 << 20, direct=b._arenas[0].direct))
+    assert len(wins) >= 3 and log.count("wait copy") == len(wins) - 2  # from the third window on
+
+
+class _StreamFile:
+    """What cuFile's stream API does, done on the host (the arena's real file underneath)."""
+
+    def __init__(self, file) -> None:
+        self.file, self.calls = file, []
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+    def _host(self, buf, size):
+        from ssdtrain.store._hostbuf import raw_view
+
+        return raw_view(buf, 0, size) if isinstance(buf, torch.Tensor) else buf  # the pretend device tensor
+
+    def pwrite(self, buf, size, file_offset, task_size):
+        if isinstance(buf, torch.Tensor):
+            self.calls.append(("pwrite", size, file_offset))
+        return self.file.pwrite(self._host(buf, size), size, file_offset, task_size)
+
+    def pread(self, buf, size, file_offset, task_size):
+        if isinstance(buf, torch.Tensor):
+            self.calls.append(("pread", size, file_offset))
+        return self.file.pread(self._host(buf, size), size, file_offset, task_size)
+
+    def raw_write_async(self, buf, stream, size, file_offset, dev_offset):
+        from ssdtrain.store._hostbuf import raw_view
+
+        self.calls.append(("write", size, file_offset, dev_offset))
+        done = os.pwrite(self.file.fileno(), raw_view(buf, dev_offset, size), file_offset)
+        return types.SimpleNamespace(check_bytes_done=lambda: done)
+
+    def raw_read_async(self, buf, stream, size, file_offset, dev_offset):
+        from ssdtrain.store._hostbuf import raw_view
+
+        self.calls.append(("read", size, file_offset, dev_offset))
+        done = os.preadv(self.file.fileno(), [raw_view(buf, dev_offset, size)], file_offset)
+        return types.SimpleNamespace(check_bytes_done=lambda: done)
+
+
+@pytest.mark.parametrize("stream_io", [True, False])
+def test_gds_paths_move_the_tensor_whole(make, pretend_cuda, stream_io):
+    # Note [GDS without a default-stream barrier]: with the stream API, one request per chunk on
+    # the side stream, ordered after the fence on the device; else pread after a host wait.
+    b = make(chunk_bytes="1MiB")
+    arena = b._arenas[0]
+    arena.gds = True
+    b.stream_io = stream_io
+    arena.file = _StreamFile(arena.file)
+    n = (2 << 20) + 100
+    src = pretend_cuda(_bytes(n, 11))
+    e = b.allocate(n)
+    record = b.submit_write(e, src, checksum=True, ready=lambda: None).result()
+    dst = pretend_cuda(torch.zeros(n, dtype=torch.uint8))
+    b.submit_read(e, dst, checksum=record, ready=lambda: None).result()
+    assert torch.equal(dst, src)
+    if stream_io:
+        chunk = 1 << 20
+        want = [(k, min(chunk, n - p), e.offset + p, p) for k in ("write", "read") for p in range(0, n, chunk)]
+        assert arena.file.calls == want
+        assert pretend_cuda.log.count("order") >= 2 and "sync" in pretend_cuda.log
+    else:
+        assert arena.file.calls == [("pwrite", n, e.offset), ("pread", n, e.offset)]
+    assert "GDS, " + ("stream-ordered" if stream_io else "pread/pwrite") in b.describe()
+    with pytest.raises(ChecksumError):
+        dst[7] ^= 1
+        b.submit_read(e, dst, checksum=record ^ 1).result()
+
+
+def test_gds_open_failure_falls_back_to_compat_with_the_reason(cuda_driver, monkeypatch, tmp_path):
+    from ssdtrain.store import kvikio_backend
+
+    monkeypatch.setattr(kvikio_backend, "gds_status", lambda: (True, "GPUDirect Storage (nvidia_fs 2.26)"))
+    monkeypatch.setattr(kvikio_backend, "GDS_FILESYSTEMS", frozenset({kvikio_backend._fs.fs_type(str(tmp_path))}))
+    b = kvikio_backend.KvikioBackend(OffloadConfig(path=str(tmp_path), backend="kvikio"))
+    try:
+        if cuda_driver == "stand-in":  # no cuFile driver: registration with compat mode OFF fails
+            assert not b.gds and "cuFile cannot register the arena file" in b.why
+            src = _bytes(10_000, 12)
+            e = b.allocate(src.numel())
+            b.submit_write(e, src).result()
+            dst = b.alloc_buffer(src.numel(), torch.device("cpu"), extent=e)
+            b.submit_read(e, dst).result()
+            assert torch.equal(dst, src)
+    finally:
+        b.close()
+
+
+def zlib_crc(t: torch.Tensor) -> int:
+    import zlib
+
+    from ssdtrain.store._hostbuf import raw_view
+
+    return zlib.crc32(raw_view(t, 0, t.numel()))
