@@ -278,6 +278,9 @@ class Offloader:
             hooks.__exit__(None, None, None)
         finally:
             self._active.pop()
+        with self._lock:
+            if scope.live_entries == 0 and self._scopes.get(scope.id) is scope:
+                del self._scopes[scope.id]  # nothing saved: nothing to read back
         self._writer.pump()
         if self._endurance is not None:  # once per step or micro-batch: it stats the drives
             msg = self._endurance.check()

@@ -224,3 +224,14 @@ def test_a_with_around_the_whole_loop_starts_a_step_per_forward(off_dir):
     s = off.stats()
     assert len({k for k in off._scopes}) <= 1 and s.live_entries == 0 and s.saved_bytes > 0
     off.close()
+
+
+def test_empty_steps_leave_no_scope(off_dir):
+    off = ssdtrain.Offloader(path=str(off_dir))
+    for i in range(50):
+        with off:
+            pass
+        with off.microbatch(i):
+            pass
+    assert off._scopes == {}
+    off.close()
