@@ -13,6 +13,7 @@ _COMMANDS = {
     "bench": ("ssdtrain.bench", "train a GPT-style decoder with and without offloading, side by side"),
     "plan": ("ssdtrain.plan", "size micro-batches, pipeline stages and drive bandwidth for a real run"),
     "probe": ("ssdtrain.probe", "measure the raw O_DIRECT bandwidth of storage paths"),
+    "selftest": ("ssdtrain.selftest", "check that offloading works here: exact gradients, GDS, compute overlap"),
 }
 
 

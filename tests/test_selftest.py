@@ -1,0 +1,75 @@
+"""``ssdtrain selftest`` (ssdtrain/selftest.py) on this machine: the CPU checks pass, the CUDA ones
+are skipped with a plain message where there is no GPU, and a broken backend is caught."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ssdtrain import cli, selftest
+from ssdtrain.config import OffloadConfig
+from ssdtrain.store.memory import MemoryBackend
+
+
+def test_passes_here_and_says_what_it_skipped(tmp_path, capsys):
+    out_json = tmp_path / "report.json"
+    rc = cli.main(["selftest", "--path", str(tmp_path), "--json", str(out_json)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    lines = out.splitlines()
+    assert lines[0].startswith("PASS  environment") and f"torch {torch.__version__}" in lines[0]
+    assert any(line.startswith("PASS  exact[posix, cpu, float32]") for line in lines)
+    assert any(line.startswith("PASS  exact[memory, cpu, float32]") for line in lines)
+    report = json.loads(out_json.read_text())
+    assert report["summary"] == lines[-1]
+    assert {c["status"] for c in report["checks"]} <= {"PASS", "SKIP"}
+    if not torch.cuda.is_available():
+        assert "SKIP  cuda" in out and lines[-1].endswith("no GPU: CUDA checks skipped")
+    assert list(tmp_path.iterdir()) == [out_json]  # its private directory is gone
+
+
+def test_a_backend_that_returns_wrong_bytes_fails_the_check(tmp_path):
+    class Flipping(MemoryBackend):
+        def submit_read(self, extent, dst, *, checksum=None, ready=None):
+            fut = super().submit_read(extent, dst, checksum=checksum, ready=ready)
+            fut.result()
+            dst[0] ^= 1  # one bit of every tensor read back
+            return fut
+
+    store = Flipping(OffloadConfig(path=str(tmp_path), backend="memory"))
+    with pytest.raises(AssertionError, match="differs|!= "):
+        selftest.exact_gradients("memory", str(tmp_path), store=store)
+
+
+def test_a_failed_check_fails_the_command(tmp_path, monkeypatch, capsys):
+    def broken(*args, **kwargs):
+        raise AssertionError("step 0: gradient 3 differs (max abs 0.5)")
+
+    monkeypatch.setattr(selftest, "exact_gradients", broken)
+    assert selftest.main(["--path", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  exact[posix, cpu, float32]" in out and "gradient 3 differs" in out
+    assert " failed" in out.splitlines()[-1] and "0 failed" not in out.splitlines()[-1]
+
+
+def test_overlap_limit(monkeypatch):
+    monkeypatch.setattr(selftest, "overlap_ratio", lambda *a, **k: (1.2, 1.0, 1.2))
+    assert "x1.20" in selftest._overlap("posix", "/tmp", None, 1.0)
+    monkeypatch.setattr(selftest, "overlap_ratio", lambda *a, **k: (2.5, 1.0, 2.5))
+    with pytest.raises(AssertionError, match="serialises with compute"):
+        selftest._overlap("posix", "/tmp", None, 1.0)
+
+
+def test_a_path_that_is_not_a_directory(tmp_path, capsys):
+    assert selftest.main(["--path", str(tmp_path / "missing")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+
+
+def test_importing_it_imports_no_torch():
+    code = "import sys, ssdtrain.selftest; assert 'torch' not in sys.modules; print('ok')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "ok", out.stderr
