@@ -38,6 +38,8 @@ class Step:
     backward: float
     """``loss.backward()`` and, for the offload modes, ``off.wait()``."""
     loss: float
+    wait: float = 0.0
+    """Of ``backward``, the time ``off.wait()`` took: writes of this step not done yet."""
     peak_saved: int | None = None
     written: int = 0
     read: int = 0
@@ -94,7 +96,8 @@ class Mode:
 
     def forward_backward(self, tokens, targets, marks: dict | None = None) -> float:
         """zero_grad, forward, backward (and ``off.wait()``), optimizer step; returns the loss.
-        ``marks`` receives ``perf_counter`` times ``forward_end`` and ``backward_end``."""
+        ``marks`` receives ``perf_counter`` times ``forward_end``, ``wait_start`` (offload modes)
+        and ``backward_end``."""
         self.opt.zero_grad(set_to_none=True)
         if self.off is not None:
             with self.off:
@@ -105,6 +108,8 @@ class Mode:
             marks["forward_end"] = time.perf_counter()
         loss.backward()
         if self.off is not None:
+            if marks is not None:
+                marks["wait_start"] = time.perf_counter()
             self.off.wait()
         if marks is not None:
             marks["backward_end"] = time.perf_counter()
@@ -121,7 +126,8 @@ class Mode:
         loss = self.forward_backward(tokens, targets, marks)
         end = time.perf_counter()
         step = Step(seconds=end - t0, forward=marks["forward_end"] - t0,
-                    backward=marks["backward_end"] - marks["forward_end"], loss=loss)
+                    backward=marks["backward_end"] - marks["forward_end"], loss=loss,
+                    wait=marks["backward_end"] - marks.get("wait_start", marks["backward_end"]))
         if self.off is not None:
             after = self.off.stats()
             step.peak_saved = after.peak_resident_bytes

@@ -10,7 +10,8 @@ untimed steps in a child process (Note [memory in a child process] in ``_memory.
 What :func:`run` returns per mode (``result["modes"][name]``):
 
 * **step time** - median over the timed steps (zero_grad, forward, backward, optimizer step;
-  for the offload modes also ``off.wait()``), with forward and backward medians apart;
+  for the offload modes also ``off.wait()``, which waits for the step's writes still in
+  flight), with forward and backward (``off.wait()`` included, and also apart) medians;
   **ratio** - the median over rounds of the step time divided by baseline's in the same round
   (Note [timing on a noisy machine]); recompute+offload also against recompute.
 * **peak saved** - the peak bytes of saved activations held in memory. For the offload modes
@@ -236,6 +237,7 @@ def _summarize(steps: dict[str, list[Step]], memory: dict, drive: dict, limit: D
             "step_times_s": [s.seconds for s in ss],
             "forward_s": statistics.median(s.forward for s in ss),
             "backward_s": statistics.median(s.backward for s in ss),
+            "wait_s": statistics.median(s.wait for s in ss),
             # Note [timing on a noisy machine]: the median of the per-round ratios.
             "step_time_ratio": statistics.median(ratios) if ratios else None,
             "step_time_ratios": ratios,
@@ -275,7 +277,8 @@ def _drive_figures(row: dict, bw: float | None, br: float | None, forward_ref: f
     """What the drive could carry in this mode's step, what was moved, and the regime."""
     made = row["unique_bytes"] / forward_ref / GB  # GB/s of distinct saved bytes forward makes
     fig: dict[str, Any] = {"write_gbps": bw, "read_gbps": br, "forward_s": row["forward_s"],
-                           "backward_s": row["backward_s"], "made_gbps": made, "made_per": ref_name,
+                           "backward_s": row["backward_s"], "wait_s": row["wait_s"], "made_gbps": made,
+                           "made_per": ref_name,
                            "moved_bytes": row["written_bytes"], "capacity_bytes": None, "moved_share": None,
                            "drive_limited": None}
     if bw and br:
