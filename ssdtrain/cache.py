@@ -76,7 +76,7 @@ class Entry:
         "id", "key", "version", "storage_ref", "lo", "nbytes", "device", "scope", "layer", "state",
         "data", "guard", "guard_weak", "extent", "checksum", "write_future", "read_future", "read_buf",
         "loaded", "loaded_weak", "gen", "unpacked_refs", "consumed_pass", "refs", "error",
-        "tainted", "fence", "forwarded", "offloaded", "counted_ahead",
+        "tainted", "fence", "forwarded", "offloaded", "counted_ahead", "ref_weaks",
         "__weakref__",
     )
 
@@ -117,6 +117,7 @@ class Entry:
         self.forwarded = False
         self.offloaded = False
         self.counted_ahead = False
+        self.ref_weaks: list[weakref.ref] = []
 
     def covers(self, lo: int, hi: int) -> bool:
         return self.lo <= lo and hi <= self.lo + self.nbytes
@@ -166,6 +167,7 @@ class Ref:
         # (Python runs signal handlers only at calls and jumps) can separate them.
         entry.refs += 1
         self.graveyard = graveyard
+        entry.ref_weaks.append(weakref.ref(self))  # Note [a lost __del__ is found again]
 
     def __del__(self) -> None:
         # Note [release at a safe point]: autograd drops saved references wherever it likes (even

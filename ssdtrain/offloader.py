@@ -170,7 +170,7 @@ class Offloader:
         last save of a forward whose backward has not begun (Note [the last save waits]); once
         backward has begun, that save stays in memory. Space of entries that died while a read
         into them was in flight is returned too."""
-        self._drain()  # references already dropped free their extents (or schedule it) first
+        self._drain(reconcile=True)  # references already dropped free their extents (or schedule it) first
         with self._lock:
             self._writer.release_held([s for s in self._scopes.values() if not s.backward_started])
         self._writer.pump()
@@ -426,7 +426,7 @@ class Offloader:
             err, self._error = self._error, None
             raise err
 
-    def _drain(self) -> None:
+    def _drain(self, *, reconcile: bool = False) -> None:
         """Settles dead references and finished writes, on the thread that runs compute.
 
         Note [release at a safe point]: a write that finished on an I/O thread may have raced an
@@ -439,6 +439,8 @@ class Offloader:
             while self._graveyard:
                 e, gen = self._graveyard.popleft()
                 self._drop_ref(e, gen)
+            if reconcile:
+                self._reconcile()
             completed = self._writer.completed
             while completed:
                 e = completed.popleft()
@@ -446,6 +448,17 @@ class Offloader:
                     e.check_version()
                     if not e.counted_ahead:  # inside the read-ahead window: backward needs it soon
                         self._cache.drop_memory(e)
+
+    def _reconcile(self) -> None:
+        """Note [a lost __del__ is found again]: a KeyboardInterrupt can strike as a dying Ref's
+        ``__del__`` begins (Python checks for signals on entering a function), and the Ref then
+        never files itself. Each entry also holds weak references to its Refs, which die with no
+        code run; here (in ``wait()``) an entry keeps only as many references as are alive."""
+        for e in list(self._cache.entries.values()):
+            alive = sum(1 for w in e.ref_weaks if w() is not None)
+            e.ref_weaks = [w for w in e.ref_weaks if w() is not None]
+            while e.refs > alive:
+                self._drop_ref(e, -1)
 
     def _drop_ref(self, e: Entry, gen: int) -> None:
         e.refs -= 1
