@@ -115,7 +115,7 @@ def exact_gradients(backend: str, path: str, *, device: str = "cpu", dtype: str 
     dt = getattr(torch, dtype)
     torch.manual_seed(0)
     model = _tiny_transformer_cls()().to(device=device, dtype=dt)
-    x = torch.randn(4, 32, 64, device=device, dtype=dt, generator=None)
+    x = torch.randn(4, 32, 64, device=device, dtype=dt)
 
     def one_step(off) -> tuple[torch.Tensor, list[torch.Tensor]]:
         model.zero_grad(set_to_none=True)
@@ -314,8 +314,8 @@ def run(path: str, *, report: Callable[[Check], None] = lambda c: None, overlap_
             return checks
         for label, backend, setup in backends:
             for dtype in ("float32", "bfloat16"):
-                add(_timed(f"exact[{label}, cuda, {dtype}]",
-                           lambda b=backend, d=dtype, s=setup: exact_gradients(b, work, device="cuda", dtype=d, setup=s)))
+                add(_timed(f"exact[{label}, cuda, {dtype}]", lambda b=backend, d=dtype, s=setup: exact_gradients(
+                    b, work, device="cuda", dtype=d, setup=s)))
         if kvikio_why is not None:
             add(Check("exact[kvikio, cuda]", "SKIP", kvikio_why))
         for label, backend, setup in backends:
