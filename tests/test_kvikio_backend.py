@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import os
 import sys
 import threading
@@ -73,7 +74,7 @@ def fake_kvikio(monkeypatch, tmp_path):
     sys.modules.update(before)
 
 
-def test_a_kvikio_that_cannot_load_says_why(fake_kvikio, monkeypatch, tmp_path):
+def test_a_kvikio_that_cannot_load_says_why(fake_kvikio, monkeypatch, tmp_path, caplog):
     fake_kvikio('raise OSError("libkvikio.so: cannot open shared object file: No such file or directory")\n')
     with pytest.raises(ImportError, match="installed but cannot be imported.*libkvikio.so: cannot open") as info:
         importlib.import_module("ssdtrain.store.kvikio_backend")
@@ -84,11 +85,13 @@ def test_a_kvikio_that_cannot_load_says_why(fake_kvikio, monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     name, why = backend_choice(OffloadConfig(path=str(tmp_path), backend="auto"))
     assert name == "posix" and "libkvikio.so: cannot open" in why
-    b = make_backend(OffloadConfig(path=str(tmp_path), backend="auto"))
+    with caplog.at_level(logging.WARNING, logger="ssdtrain.store"):
+        b = make_backend(OffloadConfig(path=str(tmp_path), backend="auto"))
     try:
         assert b.name == "posix" and "libkvikio.so: cannot open" in b.describe()
     finally:
         b.close()
+    assert any("kvikio is installed but cannot be used" in r.getMessage() for r in caplog.records)
 
 
 def test_a_kvikio_older_than_25_12_is_refused(fake_kvikio, monkeypatch, tmp_path):

@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 # mode; and, once its arenas are open, only if every path is on a file system that GDS serves.
 # Anything else -- including an import or open failure of kvikio -- is posix, and the reason
 # goes to the log and into ``describe()`` (``stats().backend``).
+_KVIKIO_BROKEN = ("kvikio is not usable", "kvikio could not start")
+
+
 def backend_choice(cfg: OffloadConfig) -> tuple[str, str]:
     """``(backend, why)``: what ``cfg.backend`` means on this machine and the reason.
 
@@ -103,5 +106,7 @@ def make_backend(cfg: OffloadConfig) -> Backend:
             raise ValueError(f"backend={name!r} is not one of 'auto', 'posix', 'kvikio', 'memory'")
     if cfg.backend == "auto":
         _explain(backend, why)
+        if why.startswith(_KVIKIO_BROKEN):  # installed for GDS, and broken: worth more than INFO
+            log.warning("ssdtrain: kvikio is installed but cannot be used; offloading through posix (%s)", why)
     log.info("ssdtrain: backend %s", backend.describe())
     return backend
