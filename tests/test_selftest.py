@@ -81,3 +81,32 @@ def test_importing_it_imports_no_torch():
     code = "import sys, ssdtrain.selftest; assert 'torch' not in sys.modules; print('ok')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_the_gpu_checks_it_would_run(tmp_path, monkeypatch):
+    # The GPU branch's plan, with the checks themselves stubbed (no GPU here to run them).
+    monkeypatch.setattr(selftest, "_environment", lambda path: (selftest.Check("environment", "PASS", "stub"), True))
+    calls = []
+
+    def exact(backend, path, *, device="cpu", dtype="float32", setup=None, **kw):
+        calls.append(("exact", backend, device, dtype, setup is not None))
+        return "ok"
+
+    def overlap(backend, path, setup, seconds):
+        calls.append(("overlap", backend, setup is not None))
+        return "x1.01"
+
+    monkeypatch.setattr(selftest, "exact_gradients", exact)
+    monkeypatch.setattr(selftest, "_overlap", overlap)
+    checks = selftest.run(str(tmp_path))
+    names = [c.name for c in checks]
+    assert all(c.status == "PASS" for c in checks), checks
+    kvikio = selftest._kvikio_available() is None
+    want = ["posix", "memory"] + (["kvikio", "kvikio compat"] if kvikio else [])
+    for label in want:
+        for dtype in ("float32", "bfloat16"):
+            assert f"exact[{label}, cuda, {dtype}]" in names
+        if label != "memory":
+            assert f"overlap[{label}]" in names
+    assert ("exact", "kvikio", "cuda", "bfloat16", True) in calls or not kvikio  # compat: its setup is used
+    assert names[-1] == "streams"
