@@ -59,6 +59,10 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
 def _on_off_auto(text: str) -> bool | None:
     value = {"on": True, "off": False, "auto": None}.get(text.strip().lower(), "bad")
     if value == "bad":
@@ -80,7 +84,9 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
                                    "(needs the model: patch_from_args(args, model=...))")),
     ("layers", dict(metavar="DOTTED", help="dotted name of the model's list of blocks "
                                            "(default: found; decoder.layers for GPTModel)")),
-    ("prefetch_layers", dict(type=int, metavar="N", help="read ahead this many layers in backward")),
+    ("keep_modules", dict(type=_names, metavar="NAME[,NAME...]",
+                          help="dotted names of modules whose saves stay in memory (e.g. output_layer)")),
+    ("prefetch_layers", dict(type=int, metavar="N", help="read ahead at most this many layers in backward")),
     ("prefetch_bytes", dict(type=_size, metavar="SIZE", help="... and at most this many bytes")),
     ("max_inflight_bytes", dict(type=_size, metavar="SIZE", help="cap on bytes waiting to be written")),
     ("when_full", dict(choices=_config.WHEN_FULL, help="at the cap: wait for the drive, or keep in memory")),

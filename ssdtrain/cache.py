@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import enum
 import weakref
-from collections import deque
 from typing import Any
 
 import torch
@@ -144,10 +143,14 @@ class Entry:
         self.data = None
 
 
+class _RefWeak(weakref.ref):
+    __slots__ = ("filed",)
+
+
 class Ref:
     """What autograd holds for one save: the entry, and how to rebuild this save's view."""
 
-    __slots__ = ("entry", "dtype", "size", "stride", "offset", "conj", "neg", "gen", "graveyard", "__weakref__")
+    __slots__ = ("entry", "dtype", "size", "stride", "offset", "conj", "neg", "gen", "graveyard", "weak", "__weakref__")
 
     def __init__(self, entry: Entry, t: torch.Tensor, graveyard) -> None:
         self.graveyard = None  # not counted yet: a Ref that dies before the count files nothing
@@ -165,9 +168,14 @@ class Ref:
         # Note [an interrupt never unbalances a count]: the count and the flag that makes __del__
         # give it back are set by two stores with no call between them, so no KeyboardInterrupt
         # (Python runs signal handlers only at calls and jumps) can separate them.
+        # Note [a lost __del__ is found again]: the weak reference tells wait() whether this Ref
+        # died without filing itself; "filed" is True while there is nothing to give back.
+        self.weak = _RefWeak(self)
+        self.weak.filed = True
+        entry.ref_weaks.append(self.weak)
         entry.refs += 1
         self.graveyard = graveyard
-        entry.ref_weaks.append(weakref.ref(self))  # Note [a lost __del__ is found again]
+        self.weak.filed = False
 
     def __del__(self) -> None:
         # Note [release at a safe point]: autograd drops saved references wherever it likes (even
@@ -176,6 +184,7 @@ class Ref:
         if self.graveyard is None:
             return
         try:
+            self.weak.filed = True  # no call between this and the append: no interrupt either
             self.graveyard.append((self.entry, self.gen))
         except Exception:  # pragma: no cover - interpreter shutdown
             pass
@@ -240,8 +249,7 @@ class Cache:
         self.counters = counters
         self.disk_bytes = 0
         self._free = free_extent  # backend.free
-        self.late_frees = 0  # extents of freed entries still being read into a dropped buffer
-        self.late_extents: deque = deque()  # ... and those whose read is done: freed at a safe point
+        self.late: list[tuple[Any, Any]] = []  # (extent, read future) of freed entries still being read
 
     def new(self, id_: int, t: torch.Tensor, lo: int, hi: int, scope: Any, layer: int | None) -> Entry:
         """A new entry for ``t``'s bytes ``[lo, hi)``, KEPT (in memory) until it is queued."""
@@ -328,13 +336,9 @@ class Cache:
         if e.loaded is not None or e.read_future is not None:
             self.counters.resident(-e.nbytes)
         if e.extent is not None and e.read_future is not None and not e.read_future.done():
-            # The read still fills its buffer: give the extent back only when it is done. The
-            # callback only queues the extent: it may run on this thread, inside the lock, if
-            # the read completes between the check above and the callback's registration.
-            ext, late = e.extent, self.late_extents
-            e.extent = None
-            self.late_frees += 1
-            e.read_future.add_done_callback(lambda f: late.append(ext))
+            # The read still fills its buffer: the extent goes back only when it is done.
+            ext, e.extent = e.extent, None
+            self.late.append((ext, e.read_future))
         elif e.extent is not None and state is not State.WRITING:
             self.free_extent(e)
         e.data = e.guard = e.loaded = e.read_buf = e.read_future = None
@@ -342,24 +346,38 @@ class Cache:
 
     def free_late(self) -> None:
         """Gives back the extents whose reads into dropped buffers are done."""
-        while self.late_extents:
-            extent = self.late_extents.popleft()
+        if not self.late:
+            return
+        done = [item for item in self.late if item[1].done()]
+        self.late = [item for item in self.late if not item[1].done()]
+        for extent, _ in done:
             self.disk_bytes -= extent.length
             self._free(extent)
-            self.late_frees -= 1
+
+    def recount(self) -> None:
+        """Derives the resident and disk byte counts from the entries again (after an interrupt
+        cut a state change short: Note [an interrupt never unbalances a count])."""
+        resident = disk = 0
+        for e in self.entries.values():
+            resident += e.nbytes * ((e.data is not None) + (e.loaded is not None or e.read_future is not None))
+            disk += e.extent.length if e.extent is not None else 0
+        self.disk_bytes = disk + sum(extent.length for extent, _ in self.late)
+        t = self.counters.total
+        if t.resident_bytes != resident:
+            self.counters.resident(resident - t.resident_bytes)
 
     def lose_extent(self, e: Entry) -> None:
         """A write may be in flight that no one will hear finish: the entry stays in memory
         (KEPT) and its extent is never given back (counted in ``lost_bytes``)."""
         e.state = State.KEPT
-        self.counters.add(e.scope.stats_id, "lost_bytes", e.extent.length)
-        self.disk_bytes -= e.extent.length
-        e.extent = None
+        ext, e.extent = e.extent, None
+        self.counters.add(e.scope.stats_id, "lost_bytes", ext.length)
+        self.disk_bytes -= ext.length
 
     def free_extent(self, e: Entry) -> None:
-        self.disk_bytes -= e.extent.length
-        self._free(e.extent)
-        e.extent = None
+        ext, e.extent = e.extent, None  # first: an interrupted free leaks space, never frees twice
+        self.disk_bytes -= ext.length
+        self._free(ext)
 
     def __len__(self) -> int:
         return len(self.entries)

@@ -175,11 +175,15 @@ class Offloader:
             self._writer.release_held([s for s in self._scopes.values() if not s.backward_started])
         self._writer.pump()
         with self._lock:
-            while not self._writer.idle() or self._cache.late_frees:
-                if self._cache.late_extents:
-                    self._cache.free_late()
-                else:
-                    self._writer.wait(0.01 if self._cache.late_frees else 1.0)
+            while not self._writer.idle() or self._cache.late:
+                self._cache.free_late()
+                self._writer.wait(0.01)
+                self._lock.release()
+                try:
+                    self._writer.heal()
+                finally:
+                    self._lock.acquire()
+            self._cache.recount()
             armed = [s for s in self._scopes.values() if s.armed]
             for scope in armed:
                 # The window kept what it passed in memory; release it too. Writes that finished
@@ -416,7 +420,7 @@ class Offloader:
 
     # -- safe points -----------------------------------------------------------------------------
     def _safe_point(self, *, raise_errors: bool) -> None:
-        if self._graveyard or self._writer.completed or self._cache.late_extents:
+        if self._graveyard or self._writer.completed or self._cache.late:
             self._drain()
         if self._warnings:
             for msg in self._warnings:
@@ -452,12 +456,16 @@ class Offloader:
     def _reconcile(self) -> None:
         """Note [a lost __del__ is found again]: a KeyboardInterrupt can strike as a dying Ref's
         ``__del__`` begins (Python checks for signals on entering a function), and the Ref then
-        never files itself. Each entry also holds weak references to its Refs, which die with no
-        code run; here (in ``wait()``) an entry keeps only as many references as are alive."""
+        never files itself; or between a new entry and its first Ref. Each entry holds weak
+        references to its Refs, which die with no code run: here (in ``wait()``, after the
+        graveyard is drained) a Ref dead and not filed gives its count back, and an entry no Ref
+        ever counted goes."""
         for e in list(self._cache.entries.values()):
-            alive = sum(1 for w in e.ref_weaks if w() is not None)
+            lost = sum(1 for w in e.ref_weaks if w() is None and not w.filed)
             e.ref_weaks = [w for w in e.ref_weaks if w() is not None]
-            while e.refs > alive:
+            if e.refs == 0 and not e.ref_weaks:
+                e.refs = lost = 1
+            for _ in range(min(lost, e.refs)):
                 self._drop_ref(e, -1)
 
     def _drop_ref(self, e: Entry, gen: int) -> None:

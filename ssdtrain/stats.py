@@ -106,8 +106,9 @@ class Counters:
 
     def resident(self, delta: int) -> None:
         t = self.total
-        t.resident_bytes += delta
-        assert t.resident_bytes >= 0, "resident byte count went negative"
+        # Never below zero: an interrupted state change can leave the count off until wait()
+        # derives it again from the entries (Cache.recount).
+        t.resident_bytes = max(0, t.resident_bytes + delta)
         if t.resident_bytes > t.peak_resident_bytes:
             t.peak_resident_bytes = t.resident_bytes
         if self.timeline is not None:

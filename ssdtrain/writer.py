@@ -44,6 +44,9 @@ class WriteQueue:
                  max_writing_bytes: int, verify: bool, on_done: weakref.WeakMethod) -> None:
         self._backend = backend
         self._cache = cache
+        # ``with`` takes the lock itself: Condition.__enter__ is Python code, and a
+        # KeyboardInterrupt raised as it returns would leave the lock held for good.
+        self._lock = lock
         self._cond = threading.Condition(lock)
         self._max_inflight = max_inflight_bytes
         self._max_writing = max_writing_bytes
@@ -51,7 +54,7 @@ class WriteQueue:
         self._on_done = on_done  # a weak method: the queue must not keep the offloader alive
         self._queue: deque[Entry] = deque()
         self.inflight_bytes = 0  # queued (held too) or being written
-        self.writing = 0
+        self._flight: dict[int, tuple[Entry, Any]] = {}  # entry id -> (entry, future): being written
         self._writing_bytes = 0
         self.completed: deque[Entry] = deque()  # written; memory released at a safe point
 
@@ -89,11 +92,11 @@ class WriteQueue:
         self.release_held(scopes)  # they count as in flight: let them go
         while not self.has_room(nbytes):
             if not self.writing:  # nothing in flight to wait for: start queued writes
-                self._cond.release()
+                self._lock.release()
                 try:
                     self.pump()
                 finally:
-                    self._cond.acquire()
+                    self._lock.acquire()
                 continue
             self._cond.wait(1.0)
 
@@ -117,18 +120,19 @@ class WriteQueue:
     # -- submission (lock NOT held) -------------------------------------------------------
     def pump(self) -> None:
         """Starts queued writes, oldest first, up to ``max_writing_bytes`` in flight."""
-        with self._cond:
+        with self._lock:
             batch = []
-            while self._queue and (not self.writing or self._writing_bytes < self._max_writing):
+            while self._queue and (not self._flight or self._writing_bytes < self._max_writing):
                 e = self._queue.popleft()
                 if e.state is State.QUEUED:
                     self._cache.start_write(e)
-                    self.writing += 1
+                    self._flight[e.id] = (e, None)
                     self._writing_bytes += e.nbytes
                     batch.append((e, e.data))
         for i, (e, src) in enumerate(batch):
             try:
                 fut = self._backend.submit_write(e.extent, src, checksum=self._verify, ready=e.fence)
+                self._flight[e.id] = (e, fut)
                 fut.add_done_callback(partial(self._finish, e))
             except Exception as err:  # the pool is gone (closing) or the backend refused
                 self._finish(e, None, err)
@@ -136,29 +140,37 @@ class WriteQueue:
                 self._interrupted([e for e, _ in batch[i:]])
                 raise
 
+    @property
+    def writing(self) -> int:
+        return len(self._flight)
+
     def _interrupted(self, entries: list[Entry]) -> None:
         """Note [an interrupt never unbalances a count]: a KeyboardInterrupt came while these
-        writes were being handed over. The first may have reached the backend, with no one to
-        hear it finish: its extent is never reused (a late write would land on the next owner's
-        bytes) and its entry is kept in memory; the others go back to the queue."""
-        with self._cond:
+        writes were being handed over. The first may have reached the backend with no future
+        recorded: its extent is never reused (a late write would land on the next owner's bytes)
+        and its entry is kept in memory; the others go back to the queue."""
+        with self._lock:
             first, rest = entries[0], entries[1:]
-            for e in (first, *rest):
-                self.writing -= 1
-                self._writing_bytes -= e.nbytes
-            self._cache.lose_extent(first)
-            self.inflight_bytes -= first.nbytes
+            if self._flight.get(first.id, (None, None))[1] is None:
+                self._flight.pop(first.id, None)
+                self._writing_bytes -= first.nbytes
+                self.inflight_bytes -= first.nbytes
+                self._cache.lose_extent(first)
             for e in reversed(rest):
-                e.state = State.QUEUED
-                self._queue.appendleft(e)
+                if self._flight.pop(e.id, None) is not None:
+                    self._writing_bytes -= e.nbytes
+                    e.state = State.QUEUED
+                    self._queue.appendleft(e)
             self._cond.notify_all()
 
     def _finish(self, e: Entry, fut, err: BaseException | None = None) -> None:
-        """On an I/O thread (or the submitter), when a write finished."""
+        """When a write finished (on an I/O thread, or inline where it was already done).
+        Idempotent: :meth:`heal` may call it again for a write whose callback was cut short."""
         if fut is not None:
             err = fut.exception()
-        with self._cond:
-            self.writing -= 1
+        with self._lock:
+            if self._flight.pop(e.id, None) is None:
+                return
             self._writing_bytes -= e.nbytes
             self.inflight_bytes -= e.nbytes
             if err is None and self._cache.written(e, fut.result()):
@@ -169,13 +181,30 @@ class WriteQueue:
             self._cond.notify_all()
         self.pump()
 
+    def heal(self) -> None:
+        """Lock NOT held. Finishes writes that are done but were never settled (a callback that
+        ran inline on the main thread and was interrupted), and derives the bytes in flight from
+        the entries' states again (Note [an interrupt never unbalances a count])."""
+        for e, fut in list(self._flight.values()):
+            if fut is not None and fut.done():
+                self._finish(e, fut)
+        with self._lock:
+            self.inflight_bytes = sum(e.nbytes for e in self._cache.entries.values()
+                                      if e.state in (State.QUEUED, State.WRITING))
+            self._writing_bytes = sum(e.nbytes for e, _ in self._flight.values())
+
     # -- shutdown (lock NOT held) ------------------------------------------------------------
     def close(self) -> None:
         """Cancels what has not started and waits for what has."""
-        with self._cond:
+        with self._lock:
             for e in self._queue:
                 if e.state is State.QUEUED:
                     self.cancel(e)
             self._queue.clear()
-            while self.writing:
-                self._cond.wait(1.0)
+            while self._flight:
+                self._cond.wait(0.1)
+                self._lock.release()
+                try:
+                    self.heal()
+                finally:
+                    self._lock.acquire()
