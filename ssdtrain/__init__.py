@@ -25,7 +25,7 @@ __version__ = "0.1.0"
 _WHERE = {
     "OffloadConfig": "ssdtrain.config",
     "Offloader": "ssdtrain.offloader",
-    "offload": "ssdtrain.offloader",
+    "offload": "ssdtrain.switch",
     "no_offload": "ssdtrain.keep",
     "OffloadStats": "ssdtrain.stats",
     "StorageError": "ssdtrain.store.base",
@@ -35,7 +35,8 @@ _WHERE = {
 if TYPE_CHECKING:
     from ssdtrain.config import OffloadConfig
     from ssdtrain.keep import no_offload
-    from ssdtrain.offloader import Offloader, offload
+    from ssdtrain.offloader import Offloader
+    from ssdtrain.switch import offload
     from ssdtrain.stats import OffloadStats
     from ssdtrain.store.base import ChecksumError, StorageError
 

@@ -299,6 +299,24 @@ class Cache:
         e.state = State.ON_DISK
         self.counters.resident(-e.nbytes)
 
+    def settle_written(self, completed: Any) -> None:
+        """Drops the memory of entries whose write completed (a deque, emptied): Note [release at
+        a safe point], after one more version check; those inside the read-ahead window stay
+        (backward needs them soon)."""
+        while completed:
+            e = completed.popleft()
+            if e.state is State.WRITTEN:
+                e.check_version()
+                if not e.counted_ahead:
+                    self.drop_memory(e)
+
+    def orphan_on_disk(self) -> None:
+        """The store is closing: saves only on storage can no longer be unpacked (a clear error)."""
+        for e in self.entries.values():
+            if e.state is State.ON_DISK and e.loaded is None:
+                e.error = RuntimeError("ssdtrain: this saved tensor was on storage when its Offloader was "
+                                       "closed; run backward before close()")
+
     def reading(self, e: Entry, buf: torch.Tensor, future: Any) -> None:
         """A read into ``buf`` is in flight."""
         e.read_buf, e.read_future = buf, future
@@ -343,6 +361,23 @@ class Cache:
             self.free_extent(e)
         e.data = e.guard = e.loaded = e.read_buf = e.read_future = None
         return state
+
+    def lost_refs(self) -> list[tuple[Entry, int]]:
+        """Note [a lost __del__ is found again]: a KeyboardInterrupt can strike as a dying Ref's
+        ``__del__`` begins (Python checks for signals on entering a function), and the Ref then
+        never files itself; or between a new entry and its first Ref. Each entry holds weak
+        references to its Refs, which die with no code run: after the graveyard is drained (in
+        ``wait()``), a Ref dead and not filed owes its count, and an entry no Ref ever counted
+        owes one. Returns ``(entry, counts owed)``."""
+        owed = []
+        for e in list(self.entries.values()):
+            lost = sum(1 for w in e.ref_weaks if w() is None and not w.filed)
+            e.ref_weaks = [w for w in e.ref_weaks if w() is not None]
+            if e.refs == 0 and not e.ref_weaks:
+                e.refs = lost = 1
+            if min(lost, e.refs):
+                owed.append((e, min(lost, e.refs)))
+        return owed
 
     def free_late(self) -> None:
         """Gives back the extents whose reads into dropped buffers are done."""

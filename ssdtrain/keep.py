@@ -7,15 +7,46 @@ module hooks that tell pack where it is (which block runs; whether an opted-out 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
 from ssdtrain import device
+from ssdtrain.config import OffloadConfig
 
 __all__ = ["as_is", "alias", "no_offload"]
+
+
+def resolve_config(config: Any, overrides: dict[str, Any]) -> tuple[OffloadConfig, list[nn.Module]]:
+    """The Offloader's settings from ``config`` (an OffloadConfig, a mapping or None) and keyword
+    ``overrides``, and the modules given directly in ``keep_modules`` (names stay in the config)."""
+    opted_out = overrides.get("keep_modules")
+    objects = [m for m in (opted_out or ()) if isinstance(m, nn.Module)]
+    if objects:
+        overrides["keep_modules"] = tuple(m for m in opted_out if not isinstance(m, nn.Module))
+    if isinstance(config, Mapping):
+        config = OffloadConfig.from_dict(config)
+    elif config is not None and not isinstance(config, OffloadConfig):
+        raise TypeError(f"config must be an OffloadConfig or a mapping, not {type(config).__name__}")
+    return (OffloadConfig.from_dict(overrides) if config is None else config.replace(**overrides)), objects
+
+
+def install_hooks(blocks: list[nn.Module], kept: list[nn.Module], layer_stack: list[int],
+                  keep_depth: list[int]) -> list:
+    """Forward hooks that tell pack which block runs (``layer_stack``) and whether a module of
+    ``keep_modules`` does (``keep_depth``: Note [opted-out modules]); returns their handles."""
+    handles = []
+    layers = LayerTracker(layer_stack)
+    for i, block in enumerate(blocks):
+        handles.append(block.register_forward_pre_hook(partial(layers.enter, i)))
+        handles.append(block.register_forward_hook(layers.leave, always_call=True))
+    for m in kept:
+        handles.append(m.register_forward_pre_hook(partial(bump, keep_depth, 1)))
+        handles.append(m.register_forward_hook(partial(bump, keep_depth, -1), always_call=True))
+    return handles
 
 
 def as_is(t: torch.Tensor, pinned: frozenset[int], in_kept_module: bool) -> bool:

@@ -1,10 +1,8 @@
 """The :class:`Offloader`: saved-tensor hooks that send activations to storage and bring them back.
 
-This file is the data path and its wiring, nothing more. Pack asks the policy whether to keep a
-tensor and the cache (``cache.py``) which entry it belongs to, and hands new entries to the
-write queue (``writer.py``); unpack hands back what is still in memory, or waits for the read
-that the read-ahead window (``schedule.py``) issued. Shared state is guarded by one lock; I/O
-threads take it only when a write completes. Reads are polled by the thread that needs them.
+The data path and its wiring: pack asks ``keep.py`` what stays as it is, the cache which entry a
+save belongs to, and hands new entries to the write queue; unpack hands back what is still in
+memory, or waits for the read that the read-ahead window issued. One lock guards shared state.
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ import warnings
 import weakref
 from collections import deque
 from collections.abc import Iterator, Mapping
-from functools import partial
 from typing import Any
 
 import torch
@@ -29,14 +26,15 @@ from torch import nn
 from ssdtrain import device, keep
 from ssdtrain.cache import SPAN_ALIGN, Cache, Entry, Ref, State, byte_span, rebuild
 from ssdtrain.config import OffloadConfig
+from ssdtrain.endurance import EnduranceMonitor
 from ssdtrain.schedule import ReadWindow, Scope, WriteBudget, find_blocks
 from ssdtrain.stats import Counters, OffloadStats
 from ssdtrain.store import Backend, StorageError, make_backend
 from ssdtrain.store._mem import profiled
 from ssdtrain.reader import Reader
-from ssdtrain.writer import WriteQueue
+from ssdtrain.writer import WriteFailures, WriteQueue
 
-__all__ = ["Offloader", "offload"]
+__all__ = ["Offloader"]
 
 log = logging.getLogger(__name__)
 _now = time.perf_counter  # a seam for tests
@@ -66,15 +64,7 @@ class Offloader:
 
     def __init__(self, model: nn.Module | list[nn.Module] | None = None, config: OffloadConfig | Mapping | None = None, *,
                  store: Backend | None = None, **overrides: Any) -> None:
-        opted_out = overrides.get("keep_modules")
-        keep_objects = [m for m in (opted_out or ()) if isinstance(m, nn.Module)]
-        if keep_objects:
-            overrides["keep_modules"] = tuple(m for m in opted_out if not isinstance(m, nn.Module))
-        if isinstance(config, Mapping):
-            config = OffloadConfig.from_dict(config)
-        elif config is not None and not isinstance(config, OffloadConfig):
-            raise TypeError(f"config must be an OffloadConfig or a mapping, not {type(config).__name__}")
-        config = OffloadConfig.from_dict(overrides) if config is None else config.replace(**overrides)
+        config, keep_objects = keep.resolve_config(config, overrides)
         self.config = config
         self.model = model
         self._models = keep.model_list(model)
@@ -107,22 +97,15 @@ class Offloader:
         self._layer_stack: list[int] = []
         self._keep_depth = [0]
         self._pinned: frozenset[int] = frozenset()
-        self._error: BaseException | None = None
-        self._warnings: list[str] = []
-        self._warned_keep = False
+        self._failures = WriteFailures(config.on_error)
         self._closed = False
-        self._hook_handles: list = []
         # The model must not keep the offloader alive (its finalizer closes it): hooks hold no self.
-        layers = keep.LayerTracker(self._layer_stack)
-        for i, block in enumerate(self._blocks):
-            self._hook_handles.append(block.register_forward_pre_hook(partial(layers.enter, i)))
-            self._hook_handles.append(block.register_forward_hook(layers.leave, always_call=True))
-        for m in kept_modules:  # Note [opted-out modules]: saves inside them stay in memory
-            self._hook_handles.append(m.register_forward_pre_hook(partial(keep.bump, self._keep_depth, 1)))
-            self._hook_handles.append(m.register_forward_hook(partial(keep.bump, self._keep_depth, -1), always_call=True))
+        self._hook_handles = keep.install_hooks(self._blocks, kept_modules, self._layer_stack, self._keep_depth)
         self._counters.total.backend = self._backend.describe()
         self._finalizer = weakref.finalize(self, _shutdown, self._writer, self._backend, self._hook_handles)
-        self._endurance = self._make_endurance()
+        self._endurance = None
+        if self.backend in ("posix", "kvikio"):
+            self._endurance = EnduranceMonitor(list(config.paths), config.rated_tbw, config.endurance_horizon_days)
 
     # -- public surface --------------------------------------------------------------------
     @property
@@ -175,14 +158,7 @@ class Offloader:
             self._writer.release_held([s for s in self._scopes.values() if not s.backward_started])
         self._writer.pump()
         with self._lock:
-            while not self._writer.idle() or self._cache.late:
-                self._cache.free_late()
-                self._writer.wait(0.01)
-                self._lock.release()
-                try:
-                    self._writer.heal()
-                finally:
-                    self._lock.acquire()
+            self._writer.settle()
             self._cache.recount()
             armed = [s for s in self._scopes.values() if s.armed]
             for scope in armed:
@@ -213,18 +189,13 @@ class Offloader:
     def reset_peak(self) -> None:
         """Restarts ``peak_resident_bytes`` from the bytes resident now (e.g. at each step)."""
         with self._lock:
-            t = self._counters.total
-            t.peak_resident_bytes = t.resident_bytes
+            self._counters.reset_peak()
 
     def record_timeline(self, enabled: bool = True) -> list[tuple[float, int]]:
         """Starts (or stops) recording ``(perf_counter, resident_bytes)`` at every change; returns
         the list being filled."""
         with self._lock:
-            if enabled:
-                self._counters.timeline = []
-                return self._counters.timeline
-            timeline, self._counters.timeline = self._counters.timeline or [], None
-            return timeline
+            return self._counters.record_timeline(enabled)
 
     def close(self) -> None:
         """Finishes I/O in flight and releases files and threads; idempotent.
@@ -240,10 +211,7 @@ class Offloader:
         self._writer.close()
         self._drain()
         with self._lock:
-            for e in self._cache.entries.values():
-                if e.state is State.ON_DISK and e.loaded is None:
-                    e.error = RuntimeError("ssdtrain: this saved tensor was on storage when its Offloader was "
-                                           "closed; run backward before close()")
+            self._cache.orphan_on_disk()
         self._finalizer()
 
     # -- activation -------------------------------------------------------------------------
@@ -256,11 +224,7 @@ class Offloader:
         self._layer_stack.clear()
         self._keep_depth[0] = 0
         with self._lock:
-            # Another forward comes before their backward: the waiting last saves of the scopes
-            # still in forward are written after all (Note [the last save waits]).
-            self._writer.release_held([s for s in self._scopes.values() if not s.backward_started])
-            self._scopes[scope.id] = scope
-            self._budget.new_step(_now())
+            self._open_scope(scope)
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         try:
             hooks.__enter__()
@@ -271,6 +235,20 @@ class Offloader:
             if self._hooks_on_top():
                 hooks.__exit__(None, None, None)
             raise
+
+    def _open_scope(self, scope: Scope) -> None:
+        """Under the lock: a forward begins. Another forward comes before their backward: the
+        waiting last saves of the scopes still in forward are written after all (Note [the last
+        save waits])."""
+        self._writer.release_held([s for s in self._scopes.values() if not s.backward_started])
+        self._scopes[scope.id] = scope
+        self._budget.new_step(_now())
+
+    def _forget_if_empty(self, scope: Scope) -> None:
+        """Under the lock: a scope with nothing saved and no activation has nothing to read back."""
+        if scope.live_entries == 0 and self._scopes.get(scope.id) is scope and all(r[1] is not scope
+                                                                                   for r in self._active):
+            del self._scopes[scope.id]
 
     def _hooks_on_top(self) -> bool:
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
@@ -283,8 +261,7 @@ class Offloader:
         finally:
             self._active.pop()
         with self._lock:
-            if scope.live_entries == 0 and self._scopes.get(scope.id) is scope:
-                del self._scopes[scope.id]  # nothing saved: nothing to read back
+            self._forget_if_empty(scope)
         self._writer.pump()
         if self._endurance is not None:  # once per step or micro-batch: it stats the drives
             msg = self._endurance.check()
@@ -311,11 +288,8 @@ class Offloader:
         if rec[1].backward_started and torch._C._current_graph_task_id() == -1 and rec[1].stats_id is None:
             done, rec[1] = rec[1], Scope(("step", next(self._steps)))
             with self._lock:
-                if done.live_entries == 0 and self._scopes.get(done.id) is done:
-                    del self._scopes[done.id]
-                self._writer.release_held([s for s in self._scopes.values() if not s.backward_started])
-                self._scopes[rec[1].id] = rec[1]
-                self._budget.new_step(_now())
+                self._forget_if_empty(done)
+                self._open_scope(rec[1])
         return rec[1]
 
     # -- pack ---------------------------------------------------------------------------------
@@ -368,13 +342,10 @@ class Offloader:
                 self._counters.add(scope.stats_id, "backpressure_keeps", 1)
                 self._counters.add(scope.stats_id, "kept_bytes", n)
                 return e
-            self._counters.add(scope.stats_id, "backpressure_waits", 1)
-            start = time.perf_counter()
-            with profiled("ssdtrain.stall.backpressure"):
-                self._writer.wait_for_room(n, self._scopes.values())
-            waited = time.perf_counter() - start
-            self._counters.add(scope.stats_id, "backpressure_stall_seconds", waited)
-            self._counters.add(scope.stats_id, "stall_seconds", waited)
+            waited = self._writer.wait_for_room(n, self._scopes.values())
+            for field, amount in (("backpressure_waits", 1), ("backpressure_stall_seconds", waited),
+                                  ("stall_seconds", waited)):
+                self._counters.add(scope.stats_id, field, amount)
         if cfg.when_full == "keep" and not self._budget.allows(n):
             self._counters.add(scope.stats_id, "budget_kept_bytes", n)
             self._counters.add(scope.stats_id, "kept_bytes", n)
@@ -410,25 +381,13 @@ class Offloader:
 
     def _keep_after_error(self, e: Entry, err: BaseException) -> None:
         self._cache.keep_after_error(e)
-        if self.config.on_error == "raise":
-            if self._error is None:
-                self._error = err
-        elif not self._warned_keep:
-            self._warned_keep = True
-            self._warnings.append(f"ssdtrain: a write failed ({err}); on_error='keep': tensors that cannot be "
-                                  "written stay in memory (see stats().failed_writes)")
+        self._failures.failed(err)
 
     # -- safe points -----------------------------------------------------------------------------
     def _safe_point(self, *, raise_errors: bool) -> None:
         if self._graveyard or self._writer.completed or self._cache.late:
             self._drain()
-        if self._warnings:
-            for msg in self._warnings:
-                warnings.warn(msg, RuntimeWarning, stacklevel=3)
-            self._warnings.clear()
-        if raise_errors and self._error is not None:
-            err, self._error = self._error, None
-            raise err
+        self._failures.surface(raise_errors=raise_errors)
 
     def _drain(self, *, reconcile: bool = False) -> None:
         """Settles dead references and finished writes, on the thread that runs compute.
@@ -445,27 +404,12 @@ class Offloader:
                 self._drop_ref(e, gen)
             if reconcile:
                 self._reconcile()
-            completed = self._writer.completed
-            while completed:
-                e = completed.popleft()
-                if e.state is State.WRITTEN:
-                    e.check_version()
-                    if not e.counted_ahead:  # inside the read-ahead window: backward needs it soon
-                        self._cache.drop_memory(e)
+            self._cache.settle_written(self._writer.completed)
 
     def _reconcile(self) -> None:
-        """Note [a lost __del__ is found again]: a KeyboardInterrupt can strike as a dying Ref's
-        ``__del__`` begins (Python checks for signals on entering a function), and the Ref then
-        never files itself; or between a new entry and its first Ref. Each entry holds weak
-        references to its Refs, which die with no code run: here (in ``wait()``, after the
-        graveyard is drained) a Ref dead and not filed gives its count back, and an entry no Ref
-        ever counted goes."""
-        for e in list(self._cache.entries.values()):
-            lost = sum(1 for w in e.ref_weaks if w() is None and not w.filed)
-            e.ref_weaks = [w for w in e.ref_weaks if w() is not None]
-            if e.refs == 0 and not e.ref_weaks:
-                e.refs = lost = 1
-            for _ in range(min(lost, e.refs)):
+        """Note [a lost __del__ is found again] (``Cache.lost_refs``)."""
+        for e, lost in self._cache.lost_refs():
+            for _ in range(lost):
                 self._drop_ref(e, -1)
 
     def _drop_ref(self, e: Entry, gen: int) -> None:
@@ -475,13 +419,8 @@ class Offloader:
         if e.refs > 0:
             self._cache.unload(e)
             return
-        scope = e.scope
-        scope.used(e)
-        scope.live_entries -= 1
-        if scope.held is e:
-            scope.held = None
-        if scope.live_entries == 0 and self._scopes.get(scope.id) is scope and all(r[1] is not scope for r in self._active):
-            del self._scopes[scope.id]
+        e.scope.drop(e)
+        self._forget_if_empty(e.scope)
         if self._cache.release(e) is State.QUEUED:
             self._writer.forget(e)
 
@@ -551,12 +490,6 @@ class Offloader:
         self._window.begin_pass(_now(), self._counters.total.resident_bytes)
         self._reader.prefetch(scope, None)
 
-    def _make_endurance(self):
-        if self.backend not in ("posix", "kvikio"):
-            return None
-        from ssdtrain.endurance import EnduranceMonitor
-
-        return EnduranceMonitor(list(self.config.paths), self.config.rated_tbw, self.config.endurance_horizon_days)
 
 
 def _shutdown(writer: WriteQueue, backend: Backend, handles: list) -> None:
@@ -565,36 +498,3 @@ def _shutdown(writer: WriteQueue, backend: Backend, handles: list) -> None:
     handles.clear()
     writer.close()
     backend.close()
-
-
-class _Disabled:
-    """What ``offload(..., enabled=False)`` returns: the Offloader's surface, doing nothing."""
-
-    backend = "disabled"
-
-    def __enter__(self) -> _Disabled:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-    @contextlib.contextmanager
-    def microbatch(self, mb_id: Any) -> Iterator[_Disabled]:
-        yield self
-
-    def prefetch(self, mb_id: Any) -> None: ...
-    def wait(self) -> None: ...
-    def reset_peak(self) -> None: ...
-    def close(self) -> None: ...
-
-    def stats(self) -> OffloadStats:
-        return OffloadStats(backend="disabled")
-
-
-def offload(model: nn.Module | None = None, *, enabled: bool = True, **overrides: Any) -> Offloader:
-    """``Offloader(model, **overrides)``; with ``enabled=False`` an object with the same surface
-    that offloads nothing (settings are still checked), so that a flag can switch it."""
-    if not enabled:
-        OffloadConfig.from_dict({k: v for k, v in overrides.items() if k != "keep_modules"})
-        return _Disabled()  # type: ignore[return-value]
-    return Offloader(model, **overrides)

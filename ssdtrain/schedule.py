@@ -102,6 +102,14 @@ class Scope:
                 self.ahead += e.nbytes
         return picked
 
+    def drop(self, e: Entry) -> bool:
+        """``e`` died; returns whether the scope holds no live entry any more."""
+        self.used(e)
+        self.live_entries -= 1
+        if self.held is e:
+            self.held = None
+        return self.live_entries == 0
+
     def used(self, e: Entry) -> None:
         """``e``'s read-ahead bytes leave the window (first use, or freed)."""
         if e.counted_ahead:

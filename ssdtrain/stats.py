@@ -114,6 +114,16 @@ class Counters:
         if self.timeline is not None:
             self.timeline.append((time.perf_counter(), t.resident_bytes))
 
+    def reset_peak(self) -> None:
+        self.total.peak_resident_bytes = self.total.resident_bytes
+
+    def record_timeline(self, enabled: bool) -> list[tuple[float, int]]:
+        if enabled:
+            self.timeline = []
+            return self.timeline
+        timeline, self.timeline = self.timeline or [], None
+        return timeline
+
     def snapshot(self) -> OffloadStats:
         snap = dataclasses.replace(self.total)
         snap.microbatches = {k: dict(v) for k, v in self.per_scope.items()}

@@ -10,6 +10,8 @@ shares (its condition is its own), so that an entry's state and the counts chang
 from __future__ import annotations
 
 import threading
+import time
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Iterable
@@ -18,8 +20,9 @@ from typing import Any
 
 from ssdtrain.cache import Cache, Entry, State
 from ssdtrain.store import Backend
+from ssdtrain.store._mem import profiled
 
-__all__ = ["WriteQueue"]
+__all__ = ["WriteQueue", "WriteFailures"]
 
 
 class WriteQueue:
@@ -87,18 +90,22 @@ class WriteQueue:
     def has_room(self, nbytes: int) -> bool:
         return not self.inflight_bytes or self.inflight_bytes + nbytes <= self._max_inflight
 
-    def wait_for_room(self, nbytes: int, scopes: Iterable[Any]) -> None:
-        """Note [bounded memory in flight]: blocks (lock released) until ``nbytes`` more fit."""
-        self.release_held(scopes)  # they count as in flight: let them go
-        while not self.has_room(nbytes):
-            if not self.writing:  # nothing in flight to wait for: start queued writes
-                self._lock.release()
-                try:
-                    self.pump()
-                finally:
-                    self._lock.acquire()
-                continue
-            self._cond.wait(1.0)
+    def wait_for_room(self, nbytes: int, scopes: Iterable[Any]) -> float:
+        """Note [bounded memory in flight]: blocks (lock released) until ``nbytes`` more fit;
+        returns the seconds it waited."""
+        start = time.perf_counter()
+        with profiled("ssdtrain.stall.backpressure"):
+            self.release_held(scopes)  # they count as in flight: let them go
+            while not self.has_room(nbytes):
+                if not self.writing:  # nothing in flight to wait for: start queued writes
+                    self._lock.release()
+                    try:
+                        self.pump()
+                    finally:
+                        self._lock.acquire()
+                    continue
+                self._cond.wait(1.0)
+        return time.perf_counter() - start
 
     def cancel(self, e: Entry) -> None:
         """A queued write is not needed (backward wants the tensor first): the entry is kept."""
@@ -114,8 +121,17 @@ class WriteQueue:
     def idle(self) -> bool:
         return not self.writing and not any(e.state is State.QUEUED for e in self._queue)
 
-    def wait(self, timeout: float) -> None:
-        self._cond.wait(timeout)
+    def settle(self) -> None:
+        """Lock held: waits until no write is queued or in flight and every extent of a late
+        read is given back (healing what an interrupt cut short on the way)."""
+        while not self.idle() or self._cache.late:
+            self._cache.free_late()
+            self._cond.wait(0.01)
+            self._lock.release()
+            try:
+                self.heal()
+            finally:
+                self._lock.acquire()
 
     # -- submission (lock NOT held) -------------------------------------------------------
     def pump(self) -> None:
@@ -208,3 +224,33 @@ class WriteQueue:
                     self.heal()
                 finally:
                     self._lock.acquire()
+
+
+class WriteFailures:
+    """What a failed write leaves for the training thread (``on_error``): with ``"raise"``, the
+    first error, raised at the next safe point that may raise; with ``"keep"``, one warning.
+    Note [a failing drive does not corrupt training]: the bytes of a failed write never left
+    memory, so its entry is simply kept."""
+
+    def __init__(self, on_error: str) -> None:
+        self._raise = on_error == "raise"
+        self._error: BaseException | None = None
+        self._warnings: list[str] = []
+        self._warned = False
+
+    def failed(self, err: BaseException) -> None:
+        if self._raise:
+            if self._error is None:
+                self._error = err
+        elif not self._warned:
+            self._warned = True
+            self._warnings.append(f"ssdtrain: a write failed ({err}); on_error='keep': tensors that cannot be "
+                                  "written stay in memory (see stats().failed_writes)")
+
+    def surface(self, *, raise_errors: bool) -> None:
+        """On the training thread: warns, and raises the error kept if ``raise_errors``."""
+        while self._warnings:
+            warnings.warn(self._warnings.pop(0), RuntimeWarning, stacklevel=4)
+        if raise_errors and self._error is not None:
+            err, self._error = self._error, None
+            raise err
