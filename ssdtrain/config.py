@@ -182,7 +182,8 @@ class OffloadConfig:
     long, 255 per component, with no NUL byte. Missing directories are created 0700."""
     backend: str = field(default_factory=_env_backend)
     """``"posix"`` (pwrite/preadv, O_DIRECT where possible), ``"kvikio"`` (cuFile/GPUDirect
-    Storage), ``"memory"`` (host RAM), or ``"auto"``: kvikio for CUDA when usable, else posix."""
+    Storage), ``"memory"`` (host RAM), or ``"auto"``: kvikio where GPUDirect Storage is really
+    in use (not kvikio's compatibility mode), else posix; ``stats().backend`` says why."""
     min_bytes: int = 1 << 20
     """Tensors smaller than this stay in memory (0: every eligible tensor is offloaded). Every
     size setting is at most 1 PiB."""

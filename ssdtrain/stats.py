@@ -27,9 +27,10 @@ class OffloadStats:
     read_bytes: int = 0
     """Bytes read back from storage."""
     kept_bytes: int = 0
-    """Bytes never written: below ``min_bytes``, in the last ``keep_last_layers`` blocks or in
-    ``keep_modules``, over the write budget, kept under backpressure (``when_full="keep"``) or
-    after a failed write (``on_error="keep"``)."""
+    """Bytes never written: below ``min_bytes``, in the last ``keep_last_layers`` blocks, over the
+    write budget, kept under backpressure (``when_full="keep"``) or after a failed write
+    (``on_error="keep"``). Saves inside ``keep_modules`` never reach the offloader and are not
+    counted, like parameters."""
     budget_kept_bytes: int = 0
     """Of those, bytes kept because the drive could not have carried them back in time (the
     write budget, learned from backward's waits)."""

@@ -94,8 +94,9 @@ def test_drive_limit_in_the_backend(tmp_path, capsys):
                                                         d["read_gbps"] * d["backward_s"]) * 1e9)
         assert d["moved_share"] == pytest.approx(row["written_bytes"] / d["capacity_bytes"])
         assert d["drive_limited"] == (d["made_gbps"] > cap)
-        # What a step wrote, it waited for (off.wait()): never faster than the cap.
-        assert row["written_bytes"] / row["step_time_s"] <= cap * 1e9 * 1.001
+        # The drive writes at most the cap, over the step and the untimed drain after it (medians:
+        # a little slack).
+        assert row["written_bytes"] / (row["step_time_s"] + row["wait_s"]) <= cap * 1e9 * 1.05
         assert f"{name}: drive could carry" in text
     assert text.count("  regime: drive") == 2
     assert not list((tmp_path / "nvme").rglob("*"))

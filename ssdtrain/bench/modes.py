@@ -36,10 +36,10 @@ class Step:
     forward: float
     """From the step's start to the end of forward (``with off:`` left)."""
     backward: float
-    """``loss.backward()`` and, for the offload modes, ``off.wait()``."""
+    """``loss.backward()`` (and the optimizer step is outside it)."""
     loss: float
     wait: float = 0.0
-    """Of ``backward``, the time ``off.wait()`` took: writes of this step not done yet."""
+    """After the step, untimed: the time ``off.wait()`` took (writes of this step not done yet)."""
     peak_saved: int | None = None
     written: int = 0
     read: int = 0
@@ -95,9 +95,8 @@ class Mode:
                 self.off = make_offloader(model, dict(OFFLOAD_FIELDS[name]))
 
     def forward_backward(self, tokens, targets, marks: dict | None = None) -> float:
-        """zero_grad, forward, backward (and ``off.wait()``), optimizer step; returns the loss.
-        ``marks`` receives ``perf_counter`` times ``forward_end``, ``wait_start`` (offload modes)
-        and ``backward_end``."""
+        """zero_grad, forward, backward, optimizer step; returns the loss. ``marks`` receives
+        ``perf_counter`` times ``forward_end`` and ``backward_end``."""
         self.opt.zero_grad(set_to_none=True)
         if self.off is not None:
             with self.off:
@@ -107,14 +106,20 @@ class Mode:
         if marks is not None:
             marks["forward_end"] = time.perf_counter()
         loss.backward()
-        if self.off is not None:
-            if marks is not None:
-                marks["wait_start"] = time.perf_counter()
-            self.off.wait()
         if marks is not None:
             marks["backward_end"] = time.perf_counter()
         self.opt.step()
         return float(loss.detach())
+
+    def drain(self) -> float:
+        """Between steps, untimed: waits for the writes still in flight (a training loop never
+        does; the drive then carries them into the next step), so that modes alternated in one
+        process do not share the drive. Returns the seconds it took."""
+        if self.off is None:
+            return 0.0
+        start = time.perf_counter()
+        self.off.wait()
+        return time.perf_counter() - start
 
     def timed_step(self, tokens, targets) -> Step:
         """A step with no instrumentation but the offloader's own counters."""
@@ -126,8 +131,7 @@ class Mode:
         loss = self.forward_backward(tokens, targets, marks)
         end = time.perf_counter()
         step = Step(seconds=end - t0, forward=marks["forward_end"] - t0,
-                    backward=marks["backward_end"] - marks["forward_end"], loss=loss,
-                    wait=marks["backward_end"] - marks.get("wait_start", marks["backward_end"]))
+                    backward=marks["backward_end"] - marks["forward_end"], loss=loss, wait=self.drain())
         if self.off is not None:
             after = self.off.stats()
             step.peak_saved = after.peak_resident_bytes
@@ -153,6 +157,7 @@ class Mode:
             t0 = time.perf_counter()
             self.forward_backward(tokens, targets, marks)
             end = time.perf_counter()
+            self.drain()
             if record:
                 record(False)
             peak = self.off.stats().peak_resident_bytes

@@ -88,7 +88,7 @@ def _drive_lines(result: dict) -> list[str]:
             continue
         lines.append(f"{name}: drive could carry {_fmt_bytes(d['capacity_bytes'])}/step, moved "
                      f"{_fmt_bytes(d['moved_bytes'])} ({d['moved_share']:.0%})")
-        waited = f", of which off.wait() {d['wait_s']:.3f}s" if d.get("wait_s") else ""
+        waited = f"; then, untimed, its writes still in flight took {d['wait_s']:.3f}s" if d.get("wait_s") else ""
         lines.append(f"  = min(write {d['write_gbps']:.2f} GB/s x forward {d['forward_s']:.3f}s, "
                      f"read {d['read_gbps']:.2f} GB/s x backward {d['backward_s']:.3f}s{waited})")
         made = f"{d['made_per']}'s forward makes {d['made_gbps']:.2f} GB/s of activations"

@@ -9,9 +9,10 @@ untimed steps in a child process (Note [memory in a child process] in ``_memory.
 
 What :func:`run` returns per mode (``result["modes"][name]``):
 
-* **step time** - median over the timed steps (zero_grad, forward, backward, optimizer step;
-  for the offload modes also ``off.wait()``, which waits for the step's writes still in
-  flight), with forward and backward (``off.wait()`` included, and also apart) medians;
+* **step time** - median over the timed steps (zero_grad, forward, backward, optimizer step),
+  with forward and backward medians; the offload modes then wait, untimed, for the step's
+  writes still in flight (``off.wait()``, reported apart), so that modes alternated in one
+  process do not share the drive;
   **ratio** - the median over rounds of the step time divided by baseline's in the same round
   (Note [timing on a noisy machine]); recompute+offload also against recompute.
 * **peak saved** - the peak bytes of saved activations held in memory. For the offload modes
