@@ -87,7 +87,7 @@ class Offloader:
                                   on_done=weakref.WeakMethod(self._write_done))
         self._graveyard: deque = deque()
         self._window = ReadWindow(max(2 * config.chunk_bytes, 16 << 20), config.prefetch_bytes, _now())
-        self._budget = WriteBudget(_now(), config.chunk_bytes)
+        self._budget = WriteBudget(_now(), 1 << 20)
         self._reader = Reader(self._backend, self._cache, self._lock, self._window, self._budget,
                               max_layers=config.prefetch_layers)
         self._ids = itertools.count()

@@ -28,6 +28,7 @@ STALL_RUSH = 0.10
 # Smaller waits are the read-ahead window's to fix (it grows); a drive that cannot carry the
 # bytes makes backward wait far longer than this, at every step.
 DRIVE_BOUND = 0.01
+MIN_DRIVE_STALL = 0.010  # seconds: waits shorter than this are a read's latency, not a drive too slow
 BUDGET_GROWTH = 1.10
 BUDGET_FLOOR = 0.5  # at most halve the budget at once: one slow step must not zero it
 
@@ -184,7 +185,7 @@ class WriteBudget:
 
     def __init__(self, now: float, step: int) -> None:
         self.limit: int | None = None  # None: no limit learned (yet)
-        self.step = step  # the smallest change worth making (a request)
+        self.step = step  # what the budget grows by at least, so it can grow from nothing
         self.sent = 0
         self.bound = False
         self._start = now
@@ -208,10 +209,10 @@ class WriteBudget:
     def new_step(self, now: float) -> None:
         """A step's forward begins: learn from the step before it (its forward and backward)."""
         period = now - self._start
-        if period > 0 and self._stall > DRIVE_BOUND * period:
+        if period > 0 and self._stall > max(DRIVE_BOUND * period, MIN_DRIVE_STALL):
             base = self._written if self.limit is None else min(self.limit, self._written)
             shrink = max(BUDGET_FLOOR, 1.0 - 2.0 * self._stall / period)
-            self.limit = int(base * shrink) // self.step * self.step
+            self.limit = int(base * shrink)
         elif self.limit is not None and self.bound and self._stall <= STALL_BUDGET * period:
             self.limit = int(self.limit * BUDGET_GROWTH) + self.step
         self._start, self._stall, self._written, self.sent, self.bound = now, 0.0, 0, 0, False
