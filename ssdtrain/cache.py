@@ -181,7 +181,7 @@ class Ref:
         # Note [release at a safe point]: autograd drops saved references wherever it likes (even
         # from inside our own pack, through the garbage collector), so a dying Ref only files
         # itself; the engine settles the count under its lock at its next safe point.
-        if self.graveyard is None:
+        if getattr(self, "graveyard", None) is None:  # unset: __init__ was cut short at its start
             return
         try:
             self.weak.filed = True  # no call between this and the append: no interrupt either
@@ -266,9 +266,6 @@ class Cache:
         self.disk_bytes += extent.length
         e.state = State.QUEUED
         e.offloaded = True
-
-    def start_write(self, e: Entry) -> None:
-        e.state = State.WRITING
 
     def cancel(self, e: Entry) -> None:
         """QUEUED -> KEPT: the write will not happen."""

@@ -136,45 +136,53 @@ class WriteQueue:
     # -- submission (lock NOT held) -------------------------------------------------------
     def pump(self) -> None:
         """Starts queued writes, oldest first, up to ``max_writing_bytes`` in flight."""
-        with self._lock:
-            batch = []
-            while self._queue and (not self._flight or self._writing_bytes < self._max_writing):
-                e = self._queue.popleft()
-                if e.state is State.QUEUED:
-                    self._cache.start_write(e)
-                    self._flight[e.id] = (e, None)
-                    self._writing_bytes += e.nbytes
-                    batch.append((e, e.data))
-        for i, (e, src) in enumerate(batch):
-            try:
-                fut = self._backend.submit_write(e.extent, src, checksum=self._verify, ready=e.fence)
+        batch: list = []
+        submitting = None
+        try:
+            with self._lock:
+                while self._queue and (not self._flight or self._writing_bytes < self._max_writing):
+                    e = self._queue.popleft()
+                    if e.state is State.QUEUED:
+                        e.state = State.WRITING  # no call between this and the flight entry
+                        self._flight[e.id] = (e, None)
+                        self._writing_bytes += e.nbytes
+                        batch.append((e, e.data))
+            for e, src in batch:
+                submitting = e
+                try:
+                    fut = self._backend.submit_write(e.extent, src, checksum=self._verify, ready=e.fence)
+                except Exception as err:  # the pool is gone (closing) or the backend refused
+                    submitting = None
+                    self._finish(e, None, err)
+                    continue
                 self._flight[e.id] = (e, fut)
+                submitting = None
                 fut.add_done_callback(partial(self._finish, e))
-            except Exception as err:  # the pool is gone (closing) or the backend refused
-                self._finish(e, None, err)
-            except BaseException:
-                self._interrupted([e for e, _ in batch[i:]])
-                raise
+        except BaseException:
+            self._interrupted([e for e, _ in batch], submitting)
+            raise
 
     @property
     def writing(self) -> int:
         return len(self._flight)
 
-    def _interrupted(self, entries: list[Entry]) -> None:
+    def _interrupted(self, batch: list[Entry], submitting: Entry | None) -> None:
         """Note [an interrupt never unbalances a count]: a KeyboardInterrupt came while these
-        writes were being handed over. The first may have reached the backend with no future
-        recorded: its extent is never reused (a late write would land on the next owner's bytes)
-        and its entry is kept in memory; the others go back to the queue."""
+        writes were being handed over. A write with its future recorded is settled as usual (or
+        by :meth:`heal`, if its callback was not registered); the one being handed over may have
+        reached the backend unseen: its extent is never reused (a late write would land on the
+        next owner's bytes) and its entry is kept in memory; the others go back to the queue."""
         with self._lock:
-            first, rest = entries[0], entries[1:]
-            if self._flight.get(first.id, (None, None))[1] is None:
-                self._flight.pop(first.id, None)
-                self._writing_bytes -= first.nbytes
-                self.inflight_bytes -= first.nbytes
-                self._cache.lose_extent(first)
-            for e in reversed(rest):
-                if self._flight.pop(e.id, None) is not None:
-                    self._writing_bytes -= e.nbytes
+            for e in reversed(batch):
+                held = self._flight.get(e.id)
+                if held is None or held[1] is not None:
+                    continue
+                del self._flight[e.id]
+                self._writing_bytes -= e.nbytes
+                if e is submitting:
+                    self.inflight_bytes -= e.nbytes
+                    self._cache.lose_extent(e)
+                else:
                     e.state = State.QUEUED
                     self._queue.appendleft(e)
             self._cond.notify_all()
