@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import ssdtrain
+from ssdtrain.integrations._run import OffloadRun
 
 __all__ = ["OffloadCallback"]
 
@@ -144,7 +145,7 @@ class _StepOffload:
 def _define_callback() -> type[Callback]:
     pl = _import_lightning()
 
-    class OffloadCallback(pl.Callback):
+    class OffloadCallback(OffloadRun, pl.Callback):
         """Offloads the activations of every ``training_step`` of a ``lightning.Trainer``.
 
         Args:
@@ -156,39 +157,13 @@ def _define_callback() -> type[Callback]:
 
         def __init__(self, **fields: Any) -> None:
             super().__init__()
-            self.config = ssdtrain.OffloadConfig.from_dict(fields)
-            self._offloader: ssdtrain.Offloader | None = None
-            self._step: _StepOffload | None = None
-            self._last_stats: ssdtrain.OffloadStats | None = None
-
-        @property
-        def offloader(self) -> ssdtrain.Offloader | None:
-            """The offloader of the ``fit()`` in progress (``None`` outside it)."""
-            return self._offloader
-
-        def stats(self) -> ssdtrain.OffloadStats:
-            """Counters of the run in progress, or of the last one after it ended.
-
-            Raises:
-                RuntimeError: no training has started yet.
-            """
-            if self._offloader is not None:
-                return self._offloader.stats()
-            if self._last_stats is None:
-                raise RuntimeError("OffloadCallback.stats(): no training has run with this callback yet")
-            return self._last_stats
+            self._setup(fields)
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             self._finish()
             # The LightningModule holds the model: its parameters are never written, and its
             # repeated blocks order the reads in backward.
-            self._offloader = ssdtrain.Offloader(pl_module, self.config)
-            try:
-                self._step = _StepOffload(pl_module, self._offloader)
-            except BaseException:
-                self._offloader.close()
-                self._offloader = None
-                raise
+            self._start(pl_module, _StepOffload)
             logger.info("ssdtrain: training steps of %s offload activations to %s",
                         type(pl_module).__name__, ", ".join(self.config.paths))
 
@@ -201,16 +176,6 @@ def _define_callback() -> type[Callback]:
         def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
             self._finish()
 
-        def _finish(self) -> None:
-            if self._step is not None:
-                self._step.remove()
-                self._step = None
-            if self._offloader is not None:
-                off, self._offloader = self._offloader, None
-                try:
-                    self._last_stats = off.stats()
-                finally:
-                    off.close()
 
     OffloadCallback.__module__ = __name__
     OffloadCallback.__qualname__ = "OffloadCallback"

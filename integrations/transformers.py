@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import ssdtrain
+from ssdtrain.integrations._run import OffloadRun
 
 __all__ = ["OffloadCallback"]
 
@@ -119,7 +120,7 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 def _define_callback() -> type[TrainerCallback]:
     transformers = _import_transformers()
 
-    class OffloadCallback(transformers.TrainerCallback):
+    class OffloadCallback(OffloadRun, transformers.TrainerCallback):
         """Offloads the activations of every training forward of a ``transformers.Trainer``.
 
         Args:
@@ -130,28 +131,8 @@ def _define_callback() -> type[TrainerCallback]:
         """
 
         def __init__(self, **fields: Any) -> None:
-            self.config = ssdtrain.OffloadConfig.from_dict(fields)
-            self._offloader: ssdtrain.Offloader | None = None
-            self._forward: _ForwardOffload | None = None
-            self._last_stats: ssdtrain.OffloadStats | None = None
+            self._setup(fields)
             self._warned = False
-
-        @property
-        def offloader(self) -> ssdtrain.Offloader | None:
-            """The offloader of the training run in progress (``None`` outside ``train()``)."""
-            return self._offloader
-
-        def stats(self) -> ssdtrain.OffloadStats:
-            """Counters of the run in progress, or of the last one after it ended.
-
-            Raises:
-                RuntimeError: no training has started yet.
-            """
-            if self._offloader is not None:
-                return self._offloader.stats()
-            if self._last_stats is None:
-                raise RuntimeError("OffloadCallback.stats(): no training has run with this callback yet")
-            return self._last_stats
 
         def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
             self._finish()  # a previous train() that raised never reached on_train_end
@@ -161,18 +142,12 @@ def _define_callback() -> type[TrainerCallback]:
             module = _unwrap(model)
             # The trainer's own model (a PeftModel for PEFT): its parameters, frozen ones too,
             # are never written, and its repeated blocks order the reads in backward.
-            self._offloader = ssdtrain.Offloader(module, self.config)
-            try:
-                self._forward = _ForwardOffload(module, self._offloader)
-            except BaseException:
-                self._offloader.close()
-                self._offloader = None
-                raise
+            self._start(module, _ForwardOffload)
             logger.info("ssdtrain: training forwards of %s offload activations to %s",
                         type(module).__name__, ", ".join(self.config.paths))
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            forward = self._forward
+            forward = self._hooks
             if forward is not None and forward.entered == 0 and not self._warned:
                 self._warned = True
                 warnings.warn(
@@ -186,16 +161,6 @@ def _define_callback() -> type[TrainerCallback]:
         def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             self._finish()
 
-        def _finish(self) -> None:
-            if self._forward is not None:
-                self._forward.remove()
-                self._forward = None
-            if self._offloader is not None:
-                off, self._offloader = self._offloader, None
-                try:
-                    self._last_stats = off.stats()
-                finally:
-                    off.close()
 
     OffloadCallback.__module__ = __name__
     OffloadCallback.__qualname__ = "OffloadCallback"
