@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = ["State", "Entry", "Ref", "StorageIndex", "Cache", "byte_span", "rebuild", "byte_view"]
+__all__ = ["State", "Entry", "Ref", "StorageIndex", "Cache", "byte_span", "entry_span", "rebuild", "byte_view"]
 
 # The widest element (complex128): entry spans start on a multiple of it, so every view of the
 # storage, whatever its dtype, lands on a whole element of the rebuilt buffer.
@@ -43,6 +43,15 @@ def byte_span(t: torch.Tensor) -> tuple[int, int]:
     lo = t.storage_offset() * size
     reach = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
     return lo, lo + (reach + 1) * size
+
+
+def entry_span(view_lo: int, view_hi: int, storage_bytes: int) -> tuple[int, int]:
+    """The bytes a new entry for a view reaching ``[view_lo, view_hi)`` covers: all of the
+    storage when the view reaches most of it, so that its other views (q, k, v of a fused QKV;
+    transposes) are found in the same entry; else the view's, from a ``SPAN_ALIGN`` boundary."""
+    if 2 * (view_hi - view_lo) >= storage_bytes:
+        return 0, storage_bytes
+    return view_lo - view_lo % SPAN_ALIGN, view_hi
 
 
 def byte_view(storage: torch.UntypedStorage, lo: int, n: int, device: torch.device) -> torch.Tensor:
@@ -275,11 +284,25 @@ class Cache:
 
     def written(self, e: Entry, checksum: Any) -> bool:
         """A write finished: WRITING -> WRITTEN (True), or the entry died meanwhile (False)."""
+        self.counters.add(e.scope.stats_id, "written_bytes", e.nbytes)
+        self.counters.add(e.scope.stats_id, "writes", 1)
         e.checksum = checksum
         if e.state is State.WRITING:
             e.state = State.WRITTEN
             return True
         if e.state is State.FREED and e.extent is not None:
+            self.free_extent(e)
+        return False
+
+    def write_failed(self, e: Entry) -> bool:
+        """A write failed: Note [a failing drive does not corrupt training]: the bytes never left
+        memory (they are dropped only after a successful write), so the entry simply stays, KEPT
+        (True); or it died meanwhile and only its extent goes (False)."""
+        self.counters.add(e.scope.stats_id, "failed_writes", 1)
+        if e.state is not State.FREED:
+            self.keep_after_error(e)
+            return True
+        if e.extent is not None:
             self.free_extent(e)
         return False
 

@@ -34,6 +34,25 @@ def resolve_config(config: Any, overrides: dict[str, Any]) -> tuple[OffloadConfi
     return (OffloadConfig.from_dict(overrides) if config is None else config.replace(**overrides)), objects
 
 
+def enter_hooks(pack: Any, unpack: Any, active: list, scope: Any) -> None:
+    """Enters saved-tensor hooks and records ``[hooks, scope]`` in ``active``.
+
+    Note [an interrupt never unbalances a count]: hooks entered by an interrupted ``__enter__``
+    would stay for good (no ``__exit__`` follows an ``__enter__`` that raised): they are left again.
+    """
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+    try:
+        hooks.__enter__()
+        active.append([hooks, scope])
+    except BaseException:
+        if active and active[-1][0] is hooks:
+            active.pop()
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is not None and top[0] == pack:
+            hooks.__exit__(None, None, None)
+        raise
+
+
 def install_hooks(blocks: list[nn.Module], kept: list[nn.Module], layer_stack: list[int],
                   keep_depth: list[int]) -> list:
     """Forward hooks that tell pack which block runs (``layer_stack``) and whether a module of

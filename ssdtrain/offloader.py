@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
-import logging
 import os
 import threading
 import time
@@ -24,10 +23,10 @@ import torch
 from torch import nn
 
 from ssdtrain import device, keep
-from ssdtrain.cache import SPAN_ALIGN, Cache, Entry, Ref, State, byte_span, rebuild
+from ssdtrain.cache import Cache, Entry, Ref, State, byte_span, entry_span, rebuild
 from ssdtrain.config import OffloadConfig
 from ssdtrain.endurance import EnduranceMonitor
-from ssdtrain.schedule import ReadWindow, Scope, WriteBudget, find_blocks
+from ssdtrain.schedule import KeepPolicy, ReadWindow, Scope, Scopes, WriteBudget, find_blocks
 from ssdtrain.stats import Counters, OffloadStats
 from ssdtrain.store import Backend, StorageError, make_backend
 from ssdtrain.store._mem import profiled
@@ -36,7 +35,6 @@ from ssdtrain.writer import WriteFailures, WriteQueue
 
 __all__ = ["Offloader"]
 
-log = logging.getLogger(__name__)
 _now = time.perf_counter  # a seam for tests
 
 
@@ -80,32 +78,33 @@ class Offloader:
         self._counters = Counters()
         self._cache = Cache(self._counters, self._backend.free)
         self._entries = self._cache.entries
+        self._endurance = None
+        if self.backend in ("posix", "kvikio"):
+            self._endurance = EnduranceMonitor(list(config.paths), config.rated_tbw, config.endurance_horizon_days)
+        self._failures = WriteFailures(config.on_error)
+        self._budget = WriteBudget(_now(), 1 << 20)
+        self._policy = KeepPolicy(min_bytes=config.min_bytes, when_full=config.when_full, budget=self._budget,
+                                  keep_from_layer=len(self._blocks) - config.keep_last_layers
+                                  if config.keep_last_layers else None)
         # Writes handed to the backend at once: enough to keep every I/O thread busy.
         writing = 2 * config.chunk_bytes * config.io_threads * len(config.paths)
         self._writer = WriteQueue(self._backend, self._cache, self._lock, max_inflight_bytes=config.max_inflight_bytes,
-                                  max_writing_bytes=writing, verify=config.verify,
-                                  on_done=weakref.WeakMethod(self._write_done))
+                                  max_writing_bytes=writing, verify=config.verify, budget=self._budget,
+                                  failures=self._failures, endurance=self._endurance)
         self._graveyard: deque = deque()
         self._window = ReadWindow(max(2 * config.chunk_bytes, 16 << 20), config.prefetch_bytes, _now())
-        self._budget = WriteBudget(_now(), 1 << 20)
         self._reader = Reader(self._backend, self._cache, self._lock, self._window, self._budget,
                               max_layers=config.prefetch_layers)
         self._ids = itertools.count()
-        self._steps = itertools.count()
-        self._scopes: dict[Any, Scope] = {}
-        self._active: list[list] = []  # [hooks, scope] per activation, innermost last
+        self._scopes = Scopes()
         self._layer_stack: list[int] = []
         self._keep_depth = [0]
         self._pinned: frozenset[int] = frozenset()
-        self._failures = WriteFailures(config.on_error)
         self._closed = False
         # The model must not keep the offloader alive (its finalizer closes it): hooks hold no self.
         self._hook_handles = keep.install_hooks(self._blocks, kept_modules, self._layer_stack, self._keep_depth)
         self._counters.total.backend = self._backend.describe()
         self._finalizer = weakref.finalize(self, _shutdown, self._writer, self._backend, self._hook_handles)
-        self._endurance = None
-        if self.backend in ("posix", "kvikio"):
-            self._endurance = EnduranceMonitor(list(config.paths), config.rated_tbw, config.endurance_horizon_days)
 
     # -- public surface --------------------------------------------------------------------
     @property
@@ -114,7 +113,7 @@ class Offloader:
         return self._backend.name
 
     def __enter__(self) -> Offloader:
-        self._activate(Scope(("step", next(self._steps))))
+        self._activate(self._scopes.new_step())
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -143,7 +142,7 @@ class Offloader:
         self._check_open()
         self._safe_point(raise_errors=False)
         with self._lock:
-            scope = self._scopes.get(mb_id)
+            scope = self._scopes.by_id.get(mb_id)
             if scope is not None and not scope.backward_started:
                 self._begin_backward(scope)
 
@@ -155,12 +154,12 @@ class Offloader:
         into them was in flight is returned too."""
         self._drain(reconcile=True)  # references already dropped free their extents (or schedule it) first
         with self._lock:
-            self._writer.release_held([s for s in self._scopes.values() if not s.backward_started])
+            self._writer.release_held(self._scopes.in_forward())
         self._writer.pump()
         with self._lock:
             self._writer.settle()
             self._cache.recount()
-            armed = [s for s in self._scopes.values() if s.armed]
+            armed = self._scopes.armed()
             for scope in armed:
                 # The window kept what it passed in memory; release it too. Writes that finished
                 # before now were settled at an earlier safe point and kept for the window: they
@@ -207,7 +206,7 @@ class Offloader:
             return
         self._closed = True
         with self._lock:
-            self._writer.release_held(self._scopes.values())
+            self._writer.release_held(self._scopes.by_id.values())
         self._writer.close()
         self._drain()
         with self._lock:
@@ -225,43 +224,24 @@ class Offloader:
         self._keep_depth[0] = 0
         with self._lock:
             self._open_scope(scope)
-        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        try:
-            hooks.__enter__()
-            self._active.append([hooks, scope])
-        except BaseException:
-            # Note [an interrupt never unbalances a count]: hooks entered by an interrupted
-            # __enter__ would stay for good (no __exit__ follows an __enter__ that raised).
-            if self._hooks_on_top():
-                hooks.__exit__(None, None, None)
-            raise
+        keep.enter_hooks(self._pack, self._unpack, self._scopes.active, scope)
 
     def _open_scope(self, scope: Scope) -> None:
         """Under the lock: a forward begins. Another forward comes before their backward: the
         waiting last saves of the scopes still in forward are written after all (Note [the last
         save waits])."""
-        self._writer.release_held([s for s in self._scopes.values() if not s.backward_started])
-        self._scopes[scope.id] = scope
+        self._writer.release_held(self._scopes.in_forward())
+        self._scopes.by_id[scope.id] = scope
         self._budget.new_step(_now())
 
-    def _forget_if_empty(self, scope: Scope) -> None:
-        """Under the lock: a scope with nothing saved and no activation has nothing to read back."""
-        if scope.live_entries == 0 and self._scopes.get(scope.id) is scope and all(r[1] is not scope
-                                                                                   for r in self._active):
-            del self._scopes[scope.id]
-
-    def _hooks_on_top(self) -> bool:
-        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        return top is not None and getattr(top[0], "__self__", None) is self
-
     def _deactivate(self, *, raise_errors: bool) -> Scope:
-        hooks, scope = self._active[-1]
+        hooks, scope = self._scopes.active[-1]
         try:
             hooks.__exit__(None, None, None)
         finally:
-            self._active.pop()
+            self._scopes.active.pop()
         with self._lock:
-            self._forget_if_empty(scope)
+            self._scopes.forget_if_empty(scope)
         self._writer.pump()
         if self._endurance is not None:  # once per step or micro-batch: it stats the drives
             msg = self._endurance.check()
@@ -279,18 +259,13 @@ class Offloader:
                                "Offloader in the child")
 
     def _step_scope(self) -> Scope:
-        """The scope saves go to. With ``with off:`` around a whole loop, a forward that follows a
-        backward starts the next step (saves made by a backward pass itself stay in its scope)."""
-        if not self._active:  # hooks entered by hand: torch.autograd.graph.saved_tensors_hooks(off._pack, ...)
-            self._active.append([None, Scope(("step", next(self._steps)))])
-            self._scopes[self._active[-1][1].id] = self._active[-1][1]
-        rec = self._active[-1]
-        if rec[1].backward_started and torch._C._current_graph_task_id() == -1 and rec[1].stats_id is None:
-            done, rec[1] = rec[1], Scope(("step", next(self._steps)))
+        """The scope saves go to (a new step's, when a forward follows a backward: Scopes.current)."""
+        scope, done = self._scopes.current(in_backward=torch._C._current_graph_task_id() != -1)
+        if done is not None:
             with self._lock:
-                self._forget_if_empty(done)
-                self._open_scope(rec[1])
-        return rec[1]
+                self._scopes.forget_if_empty(done)
+                self._open_scope(scope)
+        return scope
 
     # -- pack ---------------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> Any:
@@ -300,14 +275,8 @@ class Offloader:
             self._check_open()
             self._safe_point(raise_errors=True)
             scope = self._step_scope()
-            lo, hi = view_lo, view_hi = byte_span(t)
-            storage_bytes = t.untyped_storage().nbytes()
-            if 2 * (hi - lo) >= storage_bytes:
-                # Most of the storage: cover all of it, so other views of it (q, k, v of a fused
-                # QKV; transposes) are found in the same entry.
-                lo, hi = 0, storage_bytes
-            else:
-                lo -= lo % SPAN_ALIGN
+            view_lo, view_hi = byte_span(t)
+            lo, hi = entry_span(view_lo, view_hi, t.untyped_storage().nbytes())
             layer = self._layer_stack[-1] if self._layer_stack else None
             with self._lock:
                 self._counters.add(scope.stats_id, "saved_bytes", t.numel() * t.element_size())
@@ -329,59 +298,33 @@ class Offloader:
     def _new_entry(self, t: torch.Tensor, lo: int, hi: int, scope: Scope, layer: int | None) -> Entry:
         """Under the lock: a new entry, kept or queued for writing (Note [write only what comes
         back in time] for the budget)."""
-        cfg = self.config
         e = self._cache.new(next(self._ids), t, lo, hi, scope, layer)
         scope.live_entries += 1
         n = e.nbytes
-        last = len(self._blocks) - cfg.keep_last_layers
-        if n < cfg.min_bytes or (cfg.keep_last_layers and layer is not None and layer >= last):
-            self._counters.add(scope.stats_id, "kept_bytes", n)
-            return e
-        if not self._writer.has_room(n):
-            if cfg.when_full == "keep":
-                self._counters.add(scope.stats_id, "backpressure_keeps", 1)
-                self._counters.add(scope.stats_id, "kept_bytes", n)
-                return e
-            waited = self._writer.wait_for_room(n, self._scopes.values())
+        choice = self._policy.decide(n, layer, self._writer.has_room(n))
+        if choice == "wait":
+            waited = self._writer.wait_for_room(n, self._scopes.by_id.values())
             for field, amount in (("backpressure_waits", 1), ("backpressure_stall_seconds", waited),
                                   ("stall_seconds", waited)):
                 self._counters.add(scope.stats_id, field, amount)
-        if cfg.when_full == "keep" and not self._budget.allows(n):
-            self._counters.add(scope.stats_id, "budget_kept_bytes", n)
+        elif choice != "write":
             self._counters.add(scope.stats_id, "kept_bytes", n)
+            if choice == "full":
+                self._counters.add(scope.stats_id, "backpressure_keeps", 1)
+            elif choice == "budget":
+                self._counters.add(scope.stats_id, "budget_kept_bytes", n)
             return e
         try:
             extent = self._backend.allocate(n)
         except StorageError as err:
-            self._keep_after_error(e, err)
+            self._cache.keep_after_error(e)
+            self._failures.failed(err)
             return e
         self._cache.queue(e, extent)
         e.fence = device.producer_fence(t)
         scope.add(e)
         self._writer.hold(scope, e)
         return e
-
-    # -- writes (completion, under the lock) ------------------------------------------------
-    def _write_done(self, e: Entry, err: BaseException | None) -> None:
-        """Note [a failing drive does not corrupt training]: the bytes never left memory (they
-        are dropped only after a successful write), so a failed write's entry simply stays."""
-        if err is None:
-            self._counters.add(e.scope.stats_id, "written_bytes", e.nbytes)
-            self._counters.add(e.scope.stats_id, "writes", 1)
-            self._budget.written(e.nbytes)
-            if self._endurance is not None and e.extent is not None:
-                self._endurance.record(e.extent.path_index, e.nbytes)
-            return
-        self._counters.add(e.scope.stats_id, "failed_writes", 1)
-        if e.state is State.FREED:
-            if e.extent is not None:
-                self._cache.free_extent(e)
-            return
-        self._keep_after_error(e, err)
-
-    def _keep_after_error(self, e: Entry, err: BaseException) -> None:
-        self._cache.keep_after_error(e)
-        self._failures.failed(err)
 
     # -- safe points -----------------------------------------------------------------------------
     def _safe_point(self, *, raise_errors: bool) -> None:
@@ -402,15 +345,10 @@ class Offloader:
             while self._graveyard:
                 e, gen = self._graveyard.popleft()
                 self._drop_ref(e, gen)
-            if reconcile:
-                self._reconcile()
+            for e, lost in self._cache.lost_refs() if reconcile else ():  # Note [a lost __del__ is found again]
+                for _ in range(lost):
+                    self._drop_ref(e, -1)
             self._cache.settle_written(self._writer.completed)
-
-    def _reconcile(self) -> None:
-        """Note [a lost __del__ is found again] (``Cache.lost_refs``)."""
-        for e, lost in self._cache.lost_refs():
-            for _ in range(lost):
-                self._drop_ref(e, -1)
 
     def _drop_ref(self, e: Entry, gen: int) -> None:
         e.refs -= 1
@@ -420,7 +358,7 @@ class Offloader:
             self._cache.unload(e)
             return
         e.scope.drop(e)
-        self._forget_if_empty(e.scope)
+        self._scopes.forget_if_empty(e.scope)
         if self._cache.release(e) is State.QUEUED:
             self._writer.forget(e)
 
@@ -458,25 +396,8 @@ class Offloader:
                     # A fresh copy each time: a raised exception keeps its traceback, and the
                     # frames in it (holding saved references) must not live on in the entry.
                     raise copy.copy(e.error).with_traceback(None)
-                buf = e.loaded if e.loaded is not None else (e.loaded_weak() if e.loaded_weak else None)
-                fut = None
-                if buf is None:
-                    if e.read_future is None:
-                        self._reader.issue(e)
-                    fut, buf = e.read_future, e.read_buf
-                else:
-                    self._counters.add(scope.stats_id, "prefetch_hits", 1)
-            if fut is not None:
-                self._reader.wait(e, fut)
-            with self._lock:
-                if fut is not None:
-                    self._cache.read_done(e, fut, buf)
-                if ref.gen != e.gen:
-                    ref.gen = e.gen
-                    e.unpacked_refs += 1
-                out = rebuild(buf, ref)
-                self._cache.unload(e)
-            return device.for_consumer(out)
+                fut, buf = self._reader.claim(e)
+            return device.for_consumer(self._reader.finish(e, ref, fut, buf))
 
     def _begin_backward(self, scope: Scope) -> None:
         """Under the lock. Adaptive keep: writes still queued are exactly what backward needs
@@ -489,7 +410,6 @@ class Offloader:
             self._counters.add(scope.stats_id, "adaptive_keep_bytes", e.nbytes)
         self._window.begin_pass(_now(), self._counters.total.resident_bytes)
         self._reader.prefetch(scope, None)
-
 
 
 def _shutdown(writer: WriteQueue, backend: Backend, handles: list) -> None:

@@ -6,8 +6,10 @@ import threading
 import time
 from typing import Any
 
+import torch
+
 from ssdtrain import device
-from ssdtrain.cache import Cache, Entry
+from ssdtrain.cache import Cache, Entry, Ref, rebuild
 from ssdtrain.schedule import ReadWindow, Scope, WriteBudget
 from ssdtrain.store import Backend, StorageError
 from ssdtrain.store._mem import profiled
@@ -16,8 +18,8 @@ __all__ = ["Reader"]
 
 
 class Reader:
-    """Reads of offloaded entries into fresh buffers; the engine calls :meth:`prefetch` and
-    :meth:`issue` under its lock, :meth:`wait` without it."""
+    """Reads of offloaded entries into fresh buffers; the engine calls :meth:`prefetch`,
+    :meth:`issue` and :meth:`claim` under its lock, :meth:`finish` and :meth:`wait` without it."""
 
     def __init__(self, backend: Backend, cache: Cache, lock: threading.Lock, window: ReadWindow, budget: WriteBudget,
                  *, max_layers: int | None, clock=time.perf_counter) -> None:
@@ -41,6 +43,31 @@ class Reader:
         buf = self._backend.alloc_buffer(e.nbytes, e.device, extent=e.extent)
         fut = self._backend.submit_read(e.extent, buf, checksum=e.checksum, ready=device.consumer_fence(buf))
         self._cache.reading(e, buf, fut)
+
+    def claim(self, e: Entry) -> tuple[Any, torch.Tensor]:
+        """Backward needs ``e`` (on storage) now: ``(None, buffer)`` when it was read ahead, else
+        ``(future, buffer)`` of its read, issued here if the window had not reached it."""
+        buf = e.loaded if e.loaded is not None else (e.loaded_weak() if e.loaded_weak else None)
+        if buf is not None:
+            self._counters.add(e.scope.stats_id, "prefetch_hits", 1)
+            return None, buf
+        if e.read_future is None:
+            self.issue(e)
+        return e.read_future, e.read_buf
+
+    def finish(self, e: Entry, ref: Ref, fut: Any, buf: torch.Tensor) -> torch.Tensor:
+        """Lock NOT held: waits for the read :meth:`claim` gave (if any); returns the saved tensor."""
+        if fut is not None:
+            self.wait(e, fut)
+        with self._lock:
+            if fut is not None:
+                self._cache.read_done(e, fut, buf)
+            if ref.gen != e.gen:
+                ref.gen = e.gen
+                e.unpacked_refs += 1
+            out = rebuild(buf, ref)
+            self._cache.unload(e)
+        return out
 
     def wait(self, e: Entry, fut: Any) -> None:
         """Waits for ``e``'s read; a wait feeds the window and the write budget.

@@ -7,13 +7,14 @@ whatever I/O they decide. Their tests drive them with made-up clocks and numbers
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from torch import nn
 
 from ssdtrain.cache import Entry, State
 
-__all__ = ["Scope", "ReadWindow", "WriteBudget", "find_blocks"]
+__all__ = ["Scope", "Scopes", "KeepPolicy", "ReadWindow", "WriteBudget", "find_blocks"]
 
 # Note [a window as small as the drive allows]: the share of a period that backward may wait on
 # reads before the read-ahead window doubles (at the next backward pass), and the share that
@@ -121,6 +122,48 @@ class Scope:
         return f"Scope({self.id!r}, {len(self.order)} entries)"
 
 
+class Scopes:
+    """The scopes with saves alive (``by_id``), and the activations in progress (``with off:``,
+    ``off.microbatch``) as ``[hooks, scope]`` records, innermost last (``active``)."""
+
+    def __init__(self) -> None:
+        self.by_id: dict[Any, Scope] = {}
+        self.active: list[list] = []
+        self._steps = itertools.count()
+
+    def new_step(self) -> Scope:
+        return Scope(("step", next(self._steps)))
+
+    def in_forward(self) -> list[Scope]:
+        return [s for s in self.by_id.values() if not s.backward_started]
+
+    def armed(self) -> list[Scope]:
+        return [s for s in self.by_id.values() if s.armed]
+
+    def forget_if_empty(self, scope: Scope) -> None:
+        """A scope with nothing saved and no activation has nothing to read back."""
+        if scope.live_entries == 0 and self.by_id.get(scope.id) is scope and all(r[1] is not scope
+                                                                                for r in self.active):
+            del self.by_id[scope.id]
+
+    def current(self, *, in_backward: bool) -> tuple[Scope, Scope | None]:
+        """The scope saves go to now, and the step it just replaced (``None`` if none was).
+
+        With ``with off:`` around a whole loop, a forward that follows a backward starts the next
+        step; saves made by a backward pass itself (``in_backward``) stay in its scope, and
+        micro-batch scopes are never replaced. Hooks entered by hand (no activation) get a step.
+        """
+        if not self.active:
+            scope = self.new_step()
+            self.active.append([None, scope])
+            self.by_id[scope.id] = scope
+        rec = self.active[-1]
+        if rec[1].backward_started and not in_backward and rec[1].stats_id is None:
+            done, rec[1] = rec[1], self.new_step()
+            return rec[1], done
+        return rec[1], None
+
+
 class ReadWindow:
     """How many bytes backward may hold read ahead of need.
 
@@ -216,6 +259,40 @@ class WriteBudget:
         elif self.limit is not None and self.bound and self._stall <= STALL_BUDGET * period:
             self.limit = int(self.limit * BUDGET_GROWTH) + self.step
         self._start, self._stall, self._written, self.sent, self.bound = now, 0.0, 0, 0, False
+
+
+class KeepPolicy:
+    """Whether a new entry is written or kept in memory, and why.
+
+    Args:
+        min_bytes: smaller entries are kept (their I/O costs more than it frees).
+        keep_from_layer: entries of this block and later ones are kept (``keep_last_layers``);
+            ``None``: none is.
+        when_full: what happens with no room in the write queue (``max_inflight_bytes``):
+            ``"keep"`` keeps the entry, ``"wait"`` waits for room and writes it.
+        budget: the :class:`WriteBudget`, consulted with ``when_full="keep"`` only (a strict
+            memory bound writes everything, whatever it costs in waiting).
+    """
+
+    def __init__(self, *, min_bytes: int, keep_from_layer: int | None, when_full: str, budget: WriteBudget) -> None:
+        self.min_bytes = min_bytes
+        self.keep_from_layer = keep_from_layer
+        self.when_full = when_full
+        self.budget = budget
+
+    def decide(self, nbytes: int, layer: int | None, has_room: bool) -> str:
+        """``"write"``; ``"wait"`` (for room, then write); or why the entry is kept: ``"small"``,
+        ``"last_layers"``, ``"full"`` (no room) or ``"budget"`` (Note [write only what comes
+        back in time])."""
+        if nbytes < self.min_bytes:
+            return "small"
+        if self.keep_from_layer is not None and layer is not None and layer >= self.keep_from_layer:
+            return "last_layers"
+        if not has_room:
+            return "full" if self.when_full == "keep" else "wait"
+        if self.when_full == "keep" and not self.budget.allows(nbytes):
+            return "budget"
+        return "write"
 
 
 def find_blocks(model: nn.Module, dotted: str | None) -> list[nn.Module]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-import weakref
 from collections import deque
 from collections.abc import Iterable
 from functools import partial
@@ -39,12 +38,14 @@ class WriteQueue:
             busy, few enough that the rest stays queued, cancellable when backward wants it
             first (adaptive keep), and not in the way of reads.
         verify: checksum each write.
-        on_done: called under the lock when a write finished, with the entry and the error
-            (``None`` on success), after the counts are settled.
+        budget: the :class:`~ssdtrain.schedule.WriteBudget`, told the bytes each step wrote.
+        failures: where a failed write's error goes (:class:`WriteFailures`).
+        endurance: the :class:`~ssdtrain.endurance.EnduranceMonitor` counting bytes per drive, if any.
     """
 
     def __init__(self, backend: Backend, cache: Cache, lock: threading.Lock, *, max_inflight_bytes: int,
-                 max_writing_bytes: int, verify: bool, on_done: weakref.WeakMethod) -> None:
+                 max_writing_bytes: int, verify: bool, budget: Any, failures: WriteFailures,
+                 endurance: Any = None) -> None:
         self._backend = backend
         self._cache = cache
         # ``with`` takes the lock itself: Condition.__enter__ is Python code, and a
@@ -54,7 +55,9 @@ class WriteQueue:
         self._max_inflight = max_inflight_bytes
         self._max_writing = max_writing_bytes
         self._verify = verify
-        self._on_done = on_done  # a weak method: the queue must not keep the offloader alive
+        self._budget = budget
+        self._failures = failures
+        self._endurance = endurance
         self._queue: deque[Entry] = deque()
         self.inflight_bytes = 0  # queued (held too) or being written
         self._flight: dict[int, tuple[Entry, Any]] = {}  # entry id -> (entry, future): being written
@@ -197,11 +200,14 @@ class WriteQueue:
                 return
             self._writing_bytes -= e.nbytes
             self.inflight_bytes -= e.nbytes
-            if err is None and self._cache.written(e, fut.result()):
-                self.completed.append(e)
-            on_done = self._on_done()
-            if on_done is not None:
-                on_done(e, err)
+            if err is None:
+                if self._cache.written(e, fut.result()):
+                    self.completed.append(e)
+                self._budget.written(e.nbytes)
+                if self._endurance is not None and e.extent is not None:
+                    self._endurance.record(e.extent.path_index, e.nbytes)
+            elif self._cache.write_failed(e):
+                self._failures.failed(err)
             self._cond.notify_all()
         self.pump()
 

@@ -222,7 +222,7 @@ def test_a_with_around_the_whole_loop_starts_a_step_per_forward(off_dir):
         assert all(torch.equal(p, q) for p, q in zip(a, b))
     off.wait()
     s = off.stats()
-    assert len({k for k in off._scopes}) <= 1 and s.live_entries == 0 and s.saved_bytes > 0
+    assert len({k for k in off._scopes.by_id}) <= 1 and s.live_entries == 0 and s.saved_bytes > 0
     off.close()
 
 
@@ -233,5 +233,5 @@ def test_empty_steps_leave_no_scope(off_dir):
             pass
         with off.microbatch(i):
             pass
-    assert off._scopes == {}
+    assert off._scopes.by_id == {}
     off.close()
