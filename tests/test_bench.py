@@ -4,6 +4,7 @@ import copy
 import io
 import json
 import os
+import statistics
 import sys
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 import ssdtrain
 from ssdtrain import bench
-from ssdtrain.bench import _measure, drive, modes, runner
+from ssdtrain.bench import _device, _measure, command, drive, modes, runner
 from ssdtrain.bench._progress import Progress
 from ssdtrain.bench.models import GPT, GPTConfig
 
@@ -21,7 +22,7 @@ KEYS = ("step_time_s", "forward_s", "backward_s", "peak_saved_bytes", "peak_rss_
 
 def _run_quick(tmp_path, capsys, data, *extra):
     out = tmp_path / "bench.json"
-    rc = bench.main(["--quick", "--steps", "1", "--data", data, "--probe-size", "8MiB",
+    rc = bench.main(["--quick", "--device", "cpu", "--steps", "1", "--data", data, "--probe-size", "8MiB",
                      "--path", str(tmp_path / "nvme"), "--work-dir", str(tmp_path / "work"),
                      "--json", str(out), "--no-progress", *extra])
     assert rc == 0
@@ -42,8 +43,13 @@ def _check(text, result, backend):
         for key in KEYS:
             assert key in ms[mode], (mode, key)
         assert ms[mode]["step_time_s"] > 0
-    base, rec, off, rpo = ms["baseline"], ms["recompute"], ms["offload"], ms["recompute+offload"]
+    base, rec, off, rpo, soc = (ms[m] for m in ("baseline", "recompute", "offload", "recompute+offload", "save_on_cpu"))
     assert base["written_bytes"] == base["read_bytes"] == 0 and base["stall_s"] == 0
+    assert result["model"]["device"] == "cpu" and result["model"]["dtype"] == "float32"  # the CPU's default
+    for mode in bench.MODES:  # GPU figures: present, and None on the CPU
+        assert ms[mode]["max_memory_allocated_bytes"] is None and ms[mode]["pinned_host_peak_bytes"] is None
+        assert ms[mode]["max_memory_allocated_ratio"] is None
+    assert "max alloc" not in text and "peak RSS+" in text
     # At --quick size every activation fits the read-ahead window, so backward may find all of
     # them still in memory (reads are then rightly zero); never more is read than was written.
     # The first (warm-up) step writes; a timed one may write less, or nothing, if the offloader
@@ -53,13 +59,23 @@ def _check(text, result, backend):
         assert 0 <= o["read_bytes"] <= o["written_bytes"]
         assert "drive could carry" in text and o["drive"]["moved_bytes"] == o["written_bytes"]
         assert 0 < o["peak_saved_bytes"]
+        # The achieved rates beside the drive's raw ones.
+        assert o["drive"]["raw_write_gbps"] == d["write_gbps"] and o["drive"]["raw_read_gbps"] == d["read_gbps"]
+        assert f"  achieved write {o['write_gbps']:.2f}, read {o['read_gbps']:.2f} GB/s" in text
+        assert set(o["vs"]) == {"baseline", "recompute", "save_on_cpu"}
     assert 0 < rec["peak_saved_bytes"] < base["peak_saved_bytes"]
     assert off["peak_saved_bytes"] <= base["peak_saved_bytes"]
     assert base["step_time_ratio"] == 1.0
-    assert "recompute+offload vs recompute: step x" in text and rpo["vs_recompute"]["step_time_ratio"] > 0
+    assert rpo["vs_recompute"]["step_time_ratio"] == rpo["vs"]["recompute"]["step_time_ratio"] > 0
+    assert "vs (row / column)" in text and "save_on_cpu step" in text and "recompute step" in text
+    # save_on_cpu on the CPU: pin_memory=False, which copies nothing; it holds what baseline holds.
+    assert result["save_on_cpu"]["pin_memory"] is False and "pin_memory=False" in text
+    assert soc["peak_saved_bytes"] == base["peak_saved_bytes"] and soc["written_bytes"] == 0
+    assert set(soc["vs"]) == {"baseline", "recompute"} and soc["vs"]["baseline"]["peak_saved_ratio"] == 1.0
     # Same initial weights and batches: offloading changes no bit of training.
     assert off["losses"] == base["losses"]
     assert rpo["losses"] == rec["losses"]
+    assert soc["losses"] == base["losses"]
     assert rec["losses"] == pytest.approx(base["losses"], rel=1e-5)
 
 
@@ -90,6 +106,7 @@ def test_drive_limit_in_the_backend(tmp_path, capsys):
         row = result["modes"][name]
         d = row["drive"]
         assert d["write_gbps"] == d["read_gbps"] == cap  # the cap, or the raw drive if slower
+        assert d["limit_gbps"] == cap and f"; limited to {cap:g} GB/s each way" in text
         assert d["capacity_bytes"] == pytest.approx(min(d["write_gbps"] * d["forward_s"],
                                                         d["read_gbps"] * d["backward_s"]) * 1e9)
         assert d["moved_share"] == pytest.approx(row["written_bytes"] / d["capacity_bytes"])
@@ -181,6 +198,174 @@ def test_bad_modes_and_rates(capsys):
     assert "fast" in capsys.readouterr().err
     assert bench.main(["--quick", "--drive-gbps", "-1"]) == 2
     assert "--drive-gbps" in capsys.readouterr().err
+
+
+def test_device_option_and_its_errors(tmp_path, capsys, monkeypatch):
+    ns = command._parser().parse_args(["--quick"])
+    assert ns.device == "auto" and ns.dtype is None  # auto: CUDA where available; dtype follows the device
+    args = command.args_from_cli(command._parser().parse_args(["--quick", "--device", "cuda:1"]))
+    assert args.device == "cuda:1" and args.dtype is None
+    assert runner.BenchArgs(model=GPTConfig(), batch=1, steps=1).device == "cpu"  # the library's default
+    assert _device.resolve_device("cpu") == torch.device("cpu")
+    assert runner.default_dtype(torch.device("cuda", 0)) == "bfloat16"
+    assert runner.default_dtype(torch.device("cpu")) == "float32"
+    monkeypatch.setattr(runner, "probe", lambda *a, **k: pytest.fail("the drive was probed"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _device.resolve_device("auto") == torch.device("cpu")
+    nvme = tmp_path / "nvme"
+    # --device cuda without CUDA: one line naming the problem and the fix, before any work.
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert bench.main(["--quick", "--device", "cuda", "--path", str(nvme)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "built without CUDA" in err and "use --device cpu" in err
+    monkeypatch.setattr(torch.version, "cuda", "12.4")  # a CUDA build on a machine with no GPU visible
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert bench.main(["--quick", "--device", "cuda", "--path", str(nvme)]) == 2
+    err = capsys.readouterr().err
+    assert "torch.cuda.is_available() is False" in err and "CUDA_VISIBLE_DEVICES=''" in err
+    assert "use --device cpu" in err
+    assert not nvme.exists()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"has 1 CUDA device\(s\), cuda:0 to cuda:0"):
+        _device.resolve_device("cuda:3")
+    for bad in ("tpu", "gpu", "meta", ""):
+        with pytest.raises(ValueError, match="use auto, cpu, cuda or cuda:N"):
+            _device.resolve_device(bad)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        runner.run(runner.BenchArgs(model=GPTConfig(), batch=1, steps=1, dtype="float16"))
+
+
+def test_gpu_clock_and_memory_calls_in_order(monkeypatch):
+    """Notes [timing a GPU step] and [peak device memory per step], against a recording stand-in
+    for torch.cuda (the real calls run in tests/gpu/test_gpu_bench.py)."""
+    calls = []
+    dev = torch.device("cuda", 1)
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.t = None
+
+        def record(self, stream):
+            calls.append(("record", stream))
+            self.t = len(calls)
+
+        def elapsed_time(self, end):
+            return 1000.0 * (end.t - self.t)  # milliseconds
+
+    fake = {"Event": Event, "current_stream": lambda d: f"stream of {d}",
+            "synchronize": lambda d: calls.append(("synchronize", d)),
+            "reset_peak_memory_stats": lambda d: calls.append(("reset_peak_memory_stats", d)),
+            "reset_peak_host_memory_stats": lambda: calls.append(("reset_peak_host_memory_stats",)),
+            "memory_allocated": lambda d: calls.append(("memory_allocated", d)) or 100,
+            "max_memory_allocated": lambda d: calls.append(("max_memory_allocated", d)) or 300,
+            "host_memory_stats": lambda: calls.append(("host_memory_stats",)) or {"active_bytes.peak": 7}}
+    for name, value in fake.items():
+        monkeypatch.setattr(torch.cuda, name, value, raising=False)
+    marks = _device.Marks(dev)
+    marks.mark("start")
+    marks.mark("forward_end")
+    assert calls == [("record", "stream of cuda:1")] * 2 and marks.seconds("start", "forward_end") == 1.0
+    calls.clear()
+    assert _device.reset_memory_peaks(dev) == 100
+    assert calls == [("synchronize", dev), ("reset_peak_memory_stats", dev), ("reset_peak_host_memory_stats",),
+                     ("memory_allocated", dev)]
+    calls.clear()
+    assert _device.memory_peaks(dev) == {"max_memory_allocated_bytes": 300, "pinned_host_peak_bytes": 7}
+    assert calls[0] == ("synchronize", dev) and ("max_memory_allocated", dev) in calls
+    cpu = torch.device("cpu")
+    calls.clear()
+    assert _device.reset_memory_peaks(cpu) is None and _device.memory_peaks(cpu)["max_memory_allocated_bytes"] is None
+    _device.synchronize(cpu)
+    assert calls == []
+
+
+def test_save_on_cpu_on_the_cpu_is_exact_and_copies_nothing(tmp_path):
+    cfg = GPTConfig(vocab=64, seq=32, layers=3, hidden=32, heads=4)
+    torch.manual_seed(0)
+    ref = GPT(cfg)
+    base = modes.Mode("baseline", copy.deepcopy(ref))
+    soc = modes.Mode("save_on_cpu", copy.deepcopy(ref))
+    assert soc.pin_memory is False and soc.off is None
+    hooks = soc.hooks()
+    assert isinstance(hooks, torch.autograd.graph.save_on_cpu)
+    tokens = torch.randint(0, cfg.vocab, (2, cfg.seq))
+    for _ in range(2):
+        assert torch.equal(base.forward_backward(tokens, tokens), soc.forward_backward(tokens, tokens))
+        for a, b in zip(base.model.parameters(), soc.model.parameters()):
+            assert torch.equal(a.grad, b.grad)
+            assert torch.equal(a, b)  # after the optimizer step too
+    # Its memory step counts what its hooks keep (on the CPU: the tensors themselves), as baseline's.
+    sampler = _measure.RssSampler()
+    peaks = [m.measure_step(tokens, tokens, 0, sampler)[0] for m in (base, soc)]
+    sampler.close()
+    assert peaks[0] == peaks[1] > 0
+    step = soc.timed_step(tokens, tokens)
+    assert step.seconds > 0 and step.forward > 0 and step.backward > 0 and step.written == 0
+
+
+def test_saved_meter_counts_what_inner_hooks_keep_on_the_device():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 16)
+    x = torch.randn(8, 16, requires_grad=True)
+    expected = None
+    for inner, counted in ((None, True), (torch.autograd.graph.save_on_cpu(), True),
+                           # packs into plain Python lists: nothing stays in tensor memory
+                           (torch.autograd.graph.saved_tensors_hooks(
+                               lambda t: (t.dtype, t.shape, t.tolist()),
+                               lambda p: torch.tensor(p[2], dtype=p[0]).reshape(p[1])), False)):
+        meter = _measure.SavedMeter(lin, inner=inner)
+        with meter:
+            y = (lin(x) * 2).sum()
+        y.backward()
+        grad = x.grad.clone()
+        x.grad = None
+        assert (meter.peak > 0) == counted and meter.bytes == 0
+        expected = grad if expected is None else expected
+        assert torch.equal(grad, expected)
+
+
+def test_gpu_table_and_json_fields_from_a_gpu_result():
+    """The GPU table from a GPU-shaped result (what the child and the timed steps report there)."""
+    S = modes.Step
+    steps = {name: [S(2.0, 1.0, 1.0, 2.5), S(2.2, 1.1, 1.1, 2.4)] for name in ("baseline", "recompute", "save_on_cpu")}
+    steps["offload"] = [S(2.1, 1.0, 1.1, 2.5, peak_saved=40, written=300e6, read=300e6, unique=2e9)] * 2
+    gib = 1 << 30
+
+    def mem(peak_saved, max_alloc, pinned):
+        return {"peak_saved_bytes": peak_saved, "rss_growth_bytes": 1 << 20, "max_memory_allocated_bytes": max_alloc,
+                "memory_allocated_start_bytes": gib, "pinned_host_peak_bytes": pinned}
+
+    memory = {"baseline": mem(100, 5 * gib, 0), "recompute": mem(20, 2 * gib, 0),
+              "save_on_cpu": mem(0, 1.5 * gib, 4 * gib), "offload": mem(0, 4 * gib, 64 << 20), "block_bytes": 0}
+    drive_info = {"paths": ["/nvme"], "write_gbps": 6.0, "read_gbps": 7.0, "limit": None,
+                  "probe": [{"direct_io": True, "fs_type": "ext4"}], "warnings": []}
+    modes_out = runner._summarize(steps, memory, drive_info, None)
+    off = modes_out["offload"]
+    assert off["max_memory_allocated_bytes"] == 4 * gib and off["max_memory_allocated_ratio"] == pytest.approx(0.8)
+    assert off["vs"]["save_on_cpu"]["max_memory_allocated_ratio"] == pytest.approx(4 / 1.5)
+    assert off["vs"]["recompute"]["step_time_ratio"] == pytest.approx(statistics.median([2.1 / 2.0, 2.1 / 2.2]))
+    assert off["drive"]["raw_write_gbps"] == 6.0 and off["drive"]["limit_gbps"] is None
+    result = {"machine": {"cpu": "x", "cpus": 16, "torch": "2.13.0", "date": "today", "device": "cuda:0",
+                          "gpu": "NVIDIA H100", "gpu_memory_bytes": 80 * gib, "cuda": "12.8"},
+              "model": {"layers": 4, "hidden": 128, "heads": 4, "seq": 128, "vocab": 512, "params": 1e6, "batch": 8,
+                        "dtype": "bfloat16", "device": "cuda:0", "steps": 2},
+              "input": {"backend": "torch"}, "drive": drive_info,
+              "offload": {"offload": {"backend": "posix: /nvme (O_DIRECT)"}},
+              "save_on_cpu": {"pin_memory": True, "note": "saved tensors are copied to pinned host memory and back"},
+              "modes": modes_out}
+    text = bench.format_table(result)
+    assert "gpu: NVIDIA H100 (cuda:0, 80.0 GiB), CUDA 12.8" in text
+    assert "save_on_cpu: torch.autograd.graph.save_on_cpu(pin_memory=True)" in text
+    head = next(line for line in text.splitlines() if line.startswith("mode "))
+    assert "max alloc" in head and "pinned host" in head and "peak RSS+" not in head
+    offload_row = next(line for line in text.splitlines() if line.startswith("offload   "))
+    assert "4.0 GiB" in offload_row and "x0.80" in offload_row and "64.0 MiB" in offload_row
+    assert "save_on_cpu max alloc" in text and "x2.67" in text
+    assert "offload: drive could carry" in text
+    assert "  achieved write 0.14, read 0.14 GB/s over the step; the drive's raw write 6.00, read 7.00" in text
+    assert "torch.cuda.max_memory_allocated" in text
 
 
 def test_plot_without_matplotlib_is_one_clear_line(tmp_path, capsys, monkeypatch):

@@ -9,6 +9,8 @@ pipeline (:mod:`.data`), the modes (:mod:`.modes`), the drive and its speed limi
     from ssdtrain.bench.models import preset
     print(format_table(run(BenchArgs(model=preset("quick"), batch=8, steps=3))))
 
+``BenchArgs(device="auto")`` (the CLI's default) trains on the GPU where there is one (in
+bfloat16 unless ``dtype`` says otherwise); the library's default device is ``"cpu"``.
 Names load on first use, so ``from ssdtrain.bench.models import GPT`` imports only the model.
 """
 

@@ -19,15 +19,25 @@ __all__ = ["RssSampler", "SavedMeter", "block_saved_bytes"]
 
 
 class _Held:
-    """What the saved-bytes counter hands autograd: the tensor, and a release on collection."""
+    """What the saved-bytes counter hands autograd: what was packed, and a release on collection."""
 
-    __slots__ = ("tensor", "meter", "key", "__weakref__")
+    __slots__ = ("packed", "meter", "key", "__weakref__")
 
-    def __init__(self, tensor: torch.Tensor, meter: SavedMeter, key: int) -> None:
-        self.tensor, self.meter, self.key = tensor, meter, key
+    def __init__(self, packed: Any, meter: SavedMeter, key: int | None) -> None:
+        self.packed, self.meter, self.key = packed, meter, key
 
     def __del__(self) -> None:
-        self.meter._release(self.key)
+        if self.key is not None:
+            self.meter._release(self.key)
+
+
+def _on_device(packed: Any, device: torch.device) -> torch.Tensor | None:
+    """The tensor in what a pack hook returned that still lives on ``device``, if any."""
+    items = packed if isinstance(packed, (tuple, list)) else (packed,)
+    for item in items:
+        if isinstance(item, torch.Tensor) and item.device == device:
+            return item
+    return None
 
 
 class SavedMeter:
@@ -36,9 +46,13 @@ class SavedMeter:
     Used in one untimed step per mode: timed steps run with no hooks at all. Parameters and
     buffers are excluded (they are not activations). A storage counts once however many saves
     (views) refer to it, until the last of them is released by autograd.
+
+    ``inner`` is a ``saved_tensors_hooks`` object whose pack and unpack the meter runs (its own
+    would shadow them: the innermost hooks win); then what counts is what its pack keeps on the
+    saved tensor's device (``save_on_cpu`` on a GPU keeps nothing there; on the CPU, everything).
     """
 
-    def __init__(self, model: torch.nn.Module, *, recompute_block_bytes: int = 0) -> None:
+    def __init__(self, model: torch.nn.Module, *, recompute_block_bytes: int = 0, inner: Any = None) -> None:
         self._excluded = {t.untyped_storage().data_ptr() for t in model.parameters()}
         self._excluded |= {t.untyped_storage().data_ptr() for t in model.buffers()}
         self._live: dict[int, list[int]] = {}
@@ -47,6 +61,7 @@ class SavedMeter:
         self.peak = 0
         self.t0 = time.perf_counter()
         self.timeline: list[tuple[float, int]] = [(self.t0, 0)]
+        self._inner = inner
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._handles: list[Any] = []
         if recompute_block_bytes:
@@ -56,12 +71,17 @@ class SavedMeter:
 
     # saved_tensors_hooks
     def _pack(self, t: torch.Tensor) -> Any:
-        key = self._acquire(t)
-        return t if key is None else _Held(t, self, key)
+        if self._inner is None:
+            key = self._acquire(t)
+            return t if key is None else _Held(t, self, key)
+        packed = self._inner.pack_hook(t)
+        kept = _on_device(packed, t.device)
+        return _Held(packed, self, None if kept is None else self._acquire(kept))
 
-    @staticmethod
-    def _unpack(held: Any) -> torch.Tensor:
-        return held.tensor if isinstance(held, _Held) else held
+    def _unpack(self, held: Any) -> torch.Tensor:
+        if self._inner is not None:
+            return self._inner.unpack_hook(held.packed)
+        return held.packed if isinstance(held, _Held) else held
 
     def _acquire(self, t: torch.Tensor, extra: int = 0) -> int | None:
         storage = t.untyped_storage()
@@ -131,9 +151,9 @@ class SavedMeter:
         self._handles.clear()
 
 
-def block_saved_bytes(block: torch.nn.Module, batch: int, seq: int, hidden: int, dtype) -> int:
+def block_saved_bytes(block: torch.nn.Module, batch: int, seq: int, hidden: int, dtype, device=None) -> int:
     """Unique bytes one block saves for backward (what recomputing it brings back)."""
-    x = torch.randn(batch, seq, hidden, dtype=dtype, requires_grad=True)
+    x = torch.randn(batch, seq, hidden, dtype=dtype, device=device, requires_grad=True)
     meter = SavedMeter(block)
     with meter:
         y = block(x)

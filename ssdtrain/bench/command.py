@@ -11,7 +11,7 @@ from ssdtrain.bench.drive import THROTTLES
 from ssdtrain.bench.models import preset
 from ssdtrain.bench.modes import MODES
 from ssdtrain.bench.report import format_table, plot
-from ssdtrain.bench.runner import DTYPES, BenchArgs, run
+from ssdtrain.bench.runner import DEVICES, DTYPES, BenchArgs, run
 
 __all__ = ["args_from_cli", "main"]
 
@@ -28,7 +28,9 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="ssdtrain bench",
         description="Train a GPT-style decoder in the modes " + ", ".join(MODES) + ", alternated step by step, "
-        "and print step time, memory and drive traffic side by side.",
+        "and print step time, memory and drive traffic side by side. save_on_cpu is "
+        "torch.autograd.graph.save_on_cpu: pin_memory=True on a GPU; on the CPU pin_memory=False, which copies "
+        "nothing (its hooks' cost only).",
     )
     ap.add_argument("--quick", action="store_true", help="tiny model and few steps (seconds)")
     ap.add_argument("--layers", type=int)
@@ -38,7 +40,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--vocab", type=int)
     ap.add_argument("--batch", type=int, help="sequences per step (default 4; --quick 8)")
     ap.add_argument("--steps", type=int, help="timed steps per mode after one warm-up (default 3)")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    ap.add_argument("--device", default="auto", metavar="{" + ",".join(DEVICES) + ",cuda:N}",
+                    help="where the model trains (default auto: CUDA where available, else cpu); "
+                    "--device cuda without a GPU is an error")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on a GPU, float32 on the CPU")
     ap.add_argument("--naive-attention", action="store_true", help="materialise the s x s scores")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, from " + ",".join(MODES) + " (default: all)")
     ap.add_argument("--path", help="offload directory (default: $SSDTRAIN_PATH, else the temp dir)")
@@ -68,6 +73,7 @@ def args_from_cli(ns: argparse.Namespace) -> BenchArgs:
         batch=ns.batch or (8 if ns.quick else 4),
         steps=ns.steps or 3,
         dtype=ns.dtype,
+        device=ns.device,
         modes=tuple(m.strip() for m in ns.modes.split(",") if m.strip()),
         path=ns.path,
         drive_gbps=ns.drive_gbps,

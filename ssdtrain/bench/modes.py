@@ -4,11 +4,20 @@
 * ``recompute`` - ``torch.utils.checkpoint`` per block (``use_reentrant=False``);
 * ``offload`` - :class:`ssdtrain.Offloader` on the model, default config;
 * ``recompute+offload`` - checkpointing per block as ``recompute``, and an offloader with
-  ``min_bytes=0`` around forward: what checkpointing keeps (each block's input) goes to the drive.
+  ``min_bytes=0`` around forward: what checkpointing keeps (each block's input) goes to the drive;
+* ``save_on_cpu`` - ``torch.autograd.graph.save_on_cpu`` around forward, the host-RAM peer: on a
+  GPU with ``pin_memory=True`` (every saved tensor, weights included, is copied to pinned host
+  memory and back); on the CPU with ``pin_memory=False``, where it copies nothing (a tensor
+  already on the CPU is kept as it is), so the mode costs only its hooks and holds what baseline
+  holds: a check on the hooks' overhead, not a way to save memory there.
+
+The model's device (its parameters') is the mode's: the offloader follows the tensors it is
+given (``ssdtrain/device.py``), built as a GPU user builds it, ``Offloader(model, path=...)``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,14 +25,17 @@ from typing import Any
 
 import torch
 
+from ssdtrain.bench import _device
 from ssdtrain.bench._measure import RssSampler, SavedMeter
 from ssdtrain.bench.drive import DriveLimit, make_store
 
-__all__ = ["MODES", "OFFLOAD_MODES", "RECOMPUTE_MODES", "Mode", "Step", "Timeline", "offloader_factory"]
+__all__ = ["MODES", "OFFLOAD_MODES", "PEERS", "RECOMPUTE_MODES", "Mode", "Step", "Timeline", "offloader_factory"]
 
-MODES = ("baseline", "recompute", "offload", "recompute+offload")
+MODES = ("baseline", "recompute", "offload", "recompute+offload", "save_on_cpu")
 OFFLOAD_MODES = ("offload", "recompute+offload")
 RECOMPUTE_MODES = ("recompute", "recompute+offload")
+PEERS = ("baseline", "recompute", "save_on_cpu")
+"""The modes without ssdtrain that every mode is compared with, where they ran."""
 OFFLOAD_FIELDS = {"offload": {}, "recompute+offload": {"min_bytes": 0}}
 """Offloader settings per offload mode, on top of the default config."""
 
@@ -71,7 +83,7 @@ def offloader_factory(path: str | None, limit: DriveLimit | None) -> Callable[[t
 
 
 class Mode:
-    """One mode's model, optimizer and offloader.
+    """One mode's model, optimizer and offloader (or ``save_on_cpu`` hooks), on the model's device.
 
     ``make_offloader(model, fields)`` builds the offloader of an offload mode (with the bench's
     path and drive limit); ``fields`` are :data:`OFFLOAD_FIELDS` for the mode.
@@ -83,9 +95,11 @@ class Mode:
             raise ValueError(f"unknown mode {name!r}; choose from {', '.join(MODES)}")
         self.name = name
         self.model = model
+        self.device = next(model.parameters()).device
         model.recompute = name in RECOMPUTE_MODES
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         self.off = None
+        self.pin_memory = name == "save_on_cpu" and self.device.type == "cuda"
         if name in OFFLOAD_MODES:
             if make_offloader is None:
                 import ssdtrain
@@ -94,22 +108,29 @@ class Mode:
             else:
                 self.off = make_offloader(model, dict(OFFLOAD_FIELDS[name]))
 
-    def forward_backward(self, tokens, targets, marks: dict | None = None) -> float:
-        """zero_grad, forward, backward, optimizer step; returns the loss. ``marks`` receives
-        ``perf_counter`` times ``forward_end`` and ``backward_end``."""
-        self.opt.zero_grad(set_to_none=True)
+    def hooks(self) -> Any:
+        """What forward runs in: the offloader, ``save_on_cpu``'s hooks, or nothing."""
         if self.off is not None:
-            with self.off:
-                loss = self.model(tokens, targets)
-        else:
+            return self.off
+        if self.name == "save_on_cpu":
+            return torch.autograd.graph.save_on_cpu(pin_memory=self.pin_memory)
+        return contextlib.nullcontext()
+
+    def forward_backward(self, tokens, targets, marks: _device.Marks | None = None,
+                         hooks: Any = None) -> torch.Tensor:
+        """zero_grad, forward, backward, optimizer step; returns the loss, detached (reading it
+        would wait for the device). ``marks`` receives ``forward_end`` and ``backward_end``;
+        ``hooks`` replaces :meth:`hooks` around forward."""
+        self.opt.zero_grad(set_to_none=True)
+        with self.hooks() if hooks is None else hooks:
             loss = self.model(tokens, targets)
         if marks is not None:
-            marks["forward_end"] = time.perf_counter()
+            marks.mark("forward_end")
         loss.backward()
         if marks is not None:
-            marks["backward_end"] = time.perf_counter()
+            marks.mark("backward_end")
         self.opt.step()
-        return float(loss.detach())
+        return loss.detach()
 
     def drain(self) -> float:
         """Between steps, untimed: waits for the writes still in flight (a training loop never
@@ -122,16 +143,20 @@ class Mode:
         return time.perf_counter() - start
 
     def timed_step(self, tokens, targets) -> Step:
-        """A step with no instrumentation but the offloader's own counters."""
+        """A step with no instrumentation but the offloader's own counters; on a GPU it starts
+        and ends with a synchronize (Note [timing a GPU step] in ``_device.py``)."""
         before = self.off.stats() if self.off is not None else None
         if self.off is not None:
             self.off.reset_peak()
-        marks: dict[str, float] = {}
+        marks = _device.Marks(self.device)
+        _device.synchronize(self.device)
         t0 = time.perf_counter()
+        marks.mark("start")
         loss = self.forward_backward(tokens, targets, marks)
+        _device.synchronize(self.device)
         end = time.perf_counter()
-        step = Step(seconds=end - t0, forward=marks["forward_end"] - t0,
-                    backward=marks["backward_end"] - marks["forward_end"], loss=loss, wait=self.drain())
+        step = Step(seconds=end - t0, forward=marks.seconds("start", "forward_end"),
+                    backward=marks.seconds("forward_end", "backward_end"), loss=float(loss), wait=self.drain())
         if self.off is not None:
             after = self.off.stats()
             step.peak_saved = after.peak_resident_bytes
@@ -141,43 +166,54 @@ class Mode:
             step.stall = after.stall_seconds - before.stall_seconds
         return step
 
-    def measure_step(self, tokens, targets, block_bytes: int, sampler: RssSampler) -> tuple[int, Timeline, int | None]:
-        """An untimed step recording saved bytes over time; returns (peak, timeline, RSS growth).
+    def measure_step(self, tokens, targets, block_bytes: int, sampler: RssSampler) -> tuple[int, Timeline, dict]:
+        """An untimed step recording saved bytes over time; returns (peak, timeline, memory):
+        ``memory`` holds ``rss_growth_bytes`` and, on a GPU, ``max_memory_allocated_bytes``,
+        ``memory_allocated_start_bytes`` (weights, optimizer state and batch, gradients freed)
+        and ``pinned_host_peak_bytes`` (Note [peak device memory per step] in ``_device.py``).
 
-        Without an offloader the bytes are counted by a :class:`SavedMeter` (for the recompute
-        modes with what checkpointing holds: each block's input, and ``block_bytes`` while a
-        block is recomputed); with one, they are the offloader's ``peak_resident_bytes``.
+        Without an offloader the bytes are counted by a :class:`SavedMeter` around forward (for
+        the recompute modes with what checkpointing holds: each block's input, and
+        ``block_bytes`` while a block is recomputed; for ``save_on_cpu`` what its hooks keep on
+        the model's device); with one, they are the offloader's ``peak_resident_bytes``.
         """
-        marks: dict[str, float] = {}
+        marks = _device.Marks(self.device)
+        self.opt.zero_grad(set_to_none=True)  # the previous step's gradients do not count
+        start_bytes = _device.reset_memory_peaks(self.device)
         sampler.start()
         record = getattr(self.off, "record_timeline", None)
         if self.off is not None:
             self.off.reset_peak()
             points = record(True) if record else []
-            t0 = time.perf_counter()
+            marks.mark("start")
             self.forward_backward(tokens, targets, marks)
+            _device.synchronize(self.device)
             end = time.perf_counter()
             self.drain()
             if record:
                 record(False)
             peak = self.off.stats().peak_resident_bytes
+            t0 = marks["start"]
             points = [(t - t0, b) for t, b in points if t >= t0]
         else:
-            meter = SavedMeter(self.model, recompute_block_bytes=block_bytes if self.model.recompute else 0)
+            inner = self.hooks() if self.name == "save_on_cpu" else None
+            meter = SavedMeter(self.model, recompute_block_bytes=block_bytes if self.model.recompute else 0,
+                               inner=inner)
             t0 = meter.t0
             try:
-                with meter:
-                    self.forward_backward(tokens, targets, marks)
+                self.forward_backward(tokens, targets, marks, hooks=meter)
+                _device.synchronize(self.device)
             finally:
                 meter.close()
             end = time.perf_counter()
             peak = meter.peak
             points = [(t - t0, b) for t, b in meter.timeline]
-        growth = sampler.stop()
+        memory = {"rss_growth_bytes": sampler.stop(), "memory_allocated_start_bytes": start_bytes,
+                  **_device.memory_peaks(self.device)}
         timeline = Timeline(points=[(0.0, points[0][1] if points else 0)] + points,
                             forward_end=marks["forward_end"] - t0,
                             backward_end=marks["backward_end"] - t0, step_end=end - t0)
-        return peak, timeline, growth
+        return peak, timeline, memory
 
     def close(self) -> None:
         if self.off is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ssdtrain.bench.modes import PEERS
+
 __all__ = ["format_table", "plot"]
 
 
@@ -28,6 +30,12 @@ def _header(result: dict) -> list[str]:
         f"machine: {mach['cpu']}, {mach['cpus']} CPUs, torch {mach['torch']}, {mach['date']}",
         f"input: {result['input']['backend']} pipeline",
     ]
+    if mach.get("gpu"):
+        lines.insert(2, f"gpu: {mach['gpu']} ({mach['device']}, {_fmt_bytes(mach['gpu_memory_bytes'])}), "
+                        f"CUDA {mach['cuda']}; steps synchronized, forward/backward split by CUDA events")
+    soc = result.get("save_on_cpu")
+    if soc:
+        lines.append(f"save_on_cpu: torch.autograd.graph.save_on_cpu(pin_memory={soc['pin_memory']}): {soc['note']}")
     if drive.get("write_gbps") is not None:
         probe = drive.get("probe") or [{}]
         io = "O_DIRECT" if all(p.get("direct_io") for p in probe) else "buffered"
@@ -49,9 +57,15 @@ def _header(result: dict) -> list[str]:
     return lines
 
 
+def _on_gpu(result: dict) -> bool:
+    return str(result["model"].get("device", "cpu")).startswith("cuda")
+
+
 def _table(result: dict) -> list[str]:
-    head = ("mode", "step", "vs base", "peak saved", "vs base", "peak RSS+", "vs base",
-            "written", "read", "write GB/s", "read GB/s", "stall")
+    gpu = _on_gpu(result)
+    memory = (("max alloc", "vs base", "peak saved", "vs base", "pinned host") if gpu
+              else ("peak saved", "vs base", "peak RSS+", "vs base"))
+    head = ("mode", "step", "vs base", *memory, "written", "read", "write GB/s", "read GB/s", "stall")
     rows = [head]
     for name, r in result["modes"].items():
         def bw(kind: str) -> str:
@@ -59,15 +73,24 @@ def _table(result: dict) -> list[str]:
                 return "-"
             share = r[f"{kind}_share_of_drive"]
             return f"{r[f'{kind}_gbps']:.2f}" + (f" ({share:.0%})" if share is not None else "")
+        if gpu:
+            cells = (_fmt_bytes(r["max_memory_allocated_bytes"]), _ratio(r["max_memory_allocated_ratio"]),
+                     _fmt_bytes(r["peak_saved_bytes"]), _ratio(r["peak_saved_ratio"]),
+                     _fmt_bytes(r["pinned_host_peak_bytes"]))
+        else:
+            cells = (_fmt_bytes(r["peak_saved_bytes"]), _ratio(r["peak_saved_ratio"]),
+                     _fmt_bytes(r["peak_rss_bytes"]), _ratio(r["peak_rss_ratio"]))
         rows.append((
-            name, f"{r['step_time_s']:.3f}s", _ratio(r["step_time_ratio"]),
-            _fmt_bytes(r["peak_saved_bytes"]), _ratio(r["peak_saved_ratio"]),
-            _fmt_bytes(r["peak_rss_bytes"]), _ratio(r["peak_rss_ratio"]),
+            name, f"{r['step_time_s']:.3f}s", _ratio(r["step_time_ratio"]), *cells,
             _fmt_bytes(r["written_bytes"]) if r["written_bytes"] else "-",
             _fmt_bytes(r["read_bytes"]) if r["read_bytes"] else "-",
             bw("write"), bw("read"), f"{r['stall_s']:.3f}s" if "drive" in r else "-",
         ))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    return _columns(rows)
+
+
+def _columns(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = []
     for i, row in enumerate(rows):
         cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
@@ -77,20 +100,45 @@ def _table(result: dict) -> list[str]:
     return lines
 
 
+def _versus(result: dict) -> list[str]:
+    """Each mode against the peers without ssdtrain that ran (baseline, recompute, save_on_cpu):
+    step time, and peak memory (device memory on a GPU, saved bytes on the CPU)."""
+    modes = result["modes"]
+    peers = [p for p in PEERS if p in modes]
+    if peers in ([], ["baseline"]):  # the table's "vs base" columns say it all
+        return []
+    key, label = (("max_memory_allocated_ratio", "max alloc") if _on_gpu(result)
+                  else ("peak_saved_ratio", "saved"))
+    rows = [("vs (row / column)", *(f"{p} step" for p in peers), *(f"{p} {label}" for p in peers))]
+    for name, row in modes.items():
+        vs = row.get("vs") or {}
+        if name != "baseline" and vs:
+            rows.append((name, *(_ratio(vs[p]["step_time_ratio"]) if p in vs else "" for p in peers),
+                         *(_ratio(vs[p][key]) if p in vs else "" for p in peers)))
+    return _columns(rows) if len(rows) > 1 else []
+
+
 def _drive_lines(result: dict) -> list[str]:
     lines = []
     for name, r in result["modes"].items():
         d = r.get("drive")
         if d is None:
             continue
+        raw = d.get("raw_write_gbps")
+        limit = f"; limited to {d['limit_gbps']:g} GB/s each way" if d.get("limit_gbps") else ""
+        raw_text = (f"the drive's raw write {raw:.2f}, read {d['raw_read_gbps']:.2f} GB/s (probe){limit}"
+                    if raw is not None else f"the drive's raw rates unknown{limit}")
+        achieved = (f"  achieved write {r['write_gbps']:.2f}, read {r['read_gbps']:.2f} GB/s over the step; "
+                    + raw_text)
         if d["capacity_bytes"] is None:
-            lines.append(f"{name}: moved {_fmt_bytes(d['moved_bytes'])}/step; drive rates unknown, so no capacity")
+            lines += [f"{name}: moved {_fmt_bytes(d['moved_bytes'])}/step; drive rates unknown, so no capacity",
+                      achieved]
             continue
-        lines.append(f"{name}: drive could carry {_fmt_bytes(d['capacity_bytes'])}/step, moved "
-                     f"{_fmt_bytes(d['moved_bytes'])} ({d['moved_share']:.0%})")
         waited = f"; then, untimed, its writes still in flight took {d['wait_s']:.3f}s" if d.get("wait_s") else ""
-        lines.append(f"  = min(write {d['write_gbps']:.2f} GB/s x forward {d['forward_s']:.3f}s, "
-                     f"read {d['read_gbps']:.2f} GB/s x backward {d['backward_s']:.3f}s{waited})")
+        lines += [f"{name}: drive could carry {_fmt_bytes(d['capacity_bytes'])}/step, moved "
+                  f"{_fmt_bytes(d['moved_bytes'])} ({d['moved_share']:.0%})",
+                  f"  = min(write {d['write_gbps']:.2f} GB/s x forward {d['forward_s']:.3f}s, "
+                  f"read {d['read_gbps']:.2f} GB/s x backward {d['backward_s']:.3f}s{waited})", achieved]
         made = f"{d['made_per']}'s forward makes {d['made_gbps']:.2f} GB/s of activations"
         if d["drive_limited"]:
             lines.append(f"  regime: drive slower than forward makes activations ({made}, the drive writes "
@@ -104,16 +152,22 @@ def _drive_lines(result: dict) -> list[str]:
 def format_table(result: dict) -> str:
     """The human-readable report ``ssdtrain bench`` prints."""
     lines = _header(result) + [""] + _table(result)
-    vs = result["modes"].get("recompute+offload", {}).get("vs_recompute")
-    if vs:
-        lines += ["", f"recompute+offload vs recompute: step {_ratio(vs['step_time_ratio'])} (median over rounds), "
-                      f"peak saved {_ratio(vs['peak_saved_ratio'])}"]
+    versus = _versus(result)
+    if versus:
+        lines += [""] + versus
     drive = _drive_lines(result)
     if drive:
         lines += [""] + drive
+    if _on_gpu(result):
+        memory = ("max alloc: torch.cuda.max_memory_allocated over one step, each mode alone in a child process "
+                  "(weights, gradients, optimizer state, batch and activations); peak saved: the activation peak, "
+                  "saved-activation bytes in GPU memory; pinned host: the pinned host allocator's peak in that step")
+    else:
+        memory = ("peak saved: saved-activation bytes in memory; peak RSS+: resident set growth within a step "
+                  "(measured in a child process)")
     lines += ["", "step: median; vs base (step): median over rounds of the ratio to baseline's step in the same "
-              "round; peak saved: saved-activation bytes in memory; peak RSS+: resident set growth within a "
-              "step (measured in a child process); written/read: per step; GB/s: per step time (share of the drive's)"]
+              f"round; {memory}; written/read: per step; GB/s: per step time (share of the drive's); "
+              "vs (row / column): the same ratios against each peer"]
     return "\n".join(lines)
 
 

@@ -2,10 +2,15 @@
 
 The modes (:mod:`ssdtrain.bench.modes`) train the same model (same initial weights, same
 batches) in one process. Each round runs every mode once on the same batch, in alternating
-order (baseline, recompute, offload, recompute+offload; then the reverse; ...), so that noise
-from the machine hits all alike; the first round is a warm-up and is not counted. Timed steps
-carry no instrumentation but the offloader's own counters. Memory is measured before them, in
-untimed steps in a child process (Note [memory in a child process] in ``_memory.py``).
+order (baseline, recompute, offload, recompute+offload, save_on_cpu; then the reverse; ...), so
+that noise from the machine hits all alike; the first round is a warm-up and is not counted.
+Timed steps carry no instrumentation but the offloader's own counters; on a GPU they start and
+end with a synchronize (Note [timing a GPU step] in ``_device.py``). Memory is measured before
+them, in untimed steps in a child process (Note [memory in a child process] in ``_memory.py``).
+
+The device (``BenchArgs.device``): ``cpu`` by default here, ``auto`` (the CLI's default) is CUDA
+where available. On a GPU the model, its batches and the offloader's tensors live there, and
+the default dtype is bfloat16 (float32 on the CPU).
 
 What :func:`run` returns per mode (``result["modes"][name]``):
 
@@ -14,7 +19,8 @@ What :func:`run` returns per mode (``result["modes"][name]``):
   writes still in flight (``off.wait()``, reported apart), so that modes alternated in one
   process do not share the drive;
   **ratio** - the median over rounds of the step time divided by baseline's in the same round
-  (Note [timing on a noisy machine]); recompute+offload also against recompute.
+  (Note [timing on a noisy machine]); and in ``vs``, the same against each peer that ran
+  (baseline, recompute, save_on_cpu), with the peak-memory ratios.
 * **peak saved** - the peak bytes of saved activations held in memory. For the offload modes
   this is the offloader's ``peak_resident_bytes`` (max over the timed steps); recompute+offload
   adds one block's activations, which recomputing a block holds outside the offloader (an upper
@@ -24,9 +30,13 @@ What :func:`run` returns per mode (``result["modes"][name]``):
   and one block's activations while it is recomputed.
 * **peak RSS growth** - the child process's resident set sampled every ~2 ms during an untimed
   step (each mode's second), max minus the value at the step's start.
+* **max memory allocated** (GPU) - ``torch.cuda.max_memory_allocated`` over that step, the mode
+  alone in the child (weights, gradients, optimizer state, batch, activations); with the bytes
+  allocated at its start, and the pinned host allocator's peak (``save_on_cpu``'s copies).
 * **written / read** - bytes per step to and from the drive, their rate over the step time and
   that rate's share of the drive's; **stall** - median seconds per step compute waited on I/O.
-* **drive** (offload modes) - what the drive could carry in a step,
+* **drive** (offload modes) - the achieved rates beside the drive's raw (probed) ones and the
+  limit; what the drive could carry in a step,
   ``min(B_write * T_forward, B_read * T_backward)``, with B the probe's raw O_DIRECT rates or
   the ``--drive-gbps`` limit; the share of it that was written; and the regime: whether the
   drive writes slower than forward makes activations (distinct saved bytes per second of the
@@ -35,6 +45,7 @@ What :func:`run` returns per mode (``result["modes"][name]``):
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import os
@@ -46,15 +57,16 @@ from typing import Any
 
 import torch
 
+from ssdtrain.bench import _device
 from ssdtrain.bench._progress import Progress
 from ssdtrain.bench.drive import DriveLimit, choose_limit, drive_rates, limited, probe
 from ssdtrain.bench.models import GPT, GPTConfig
-from ssdtrain.bench.modes import MODES, OFFLOAD_MODES, Mode, Step, offloader_factory
+from ssdtrain.bench.modes import MODES, OFFLOAD_MODES, PEERS, Mode, Step, offloader_factory
 
-__all__ = ["DTYPES", "MODES", "BenchArgs", "run"]
+__all__ = ["DEVICES", "DTYPES", "MODES", "BenchArgs", "default_dtype", "run"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-DEVICES = ("cpu",)
+DEVICES = _device.DEVICES
 GB = 1e9
 REFERENCE = {"offload": "baseline", "recompute+offload": "recompute"}
 """The mode each offload mode is compared with: the same model without offloading."""
@@ -68,9 +80,10 @@ class BenchArgs:
     batch: int
     steps: int
     """Timed steps per mode (after one warm-up step each)."""
-    dtype: str = "float32"
+    dtype: str | None = None
+    """``float32`` or ``bfloat16``; ``None``: bfloat16 on a GPU, float32 on the CPU."""
     device: str = "cpu"
-    """Where the model trains; only ``"cpu"`` so far."""
+    """Where the model trains: ``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA where available)."""
     modes: tuple[str, ...] = MODES
     path: str | None = None
     """Offload directory; ``None``: the OffloadConfig default ($SSDTRAIN_PATH or the temp dir)."""
@@ -115,50 +128,66 @@ def _machine() -> dict:
     }
 
 
-def _check(args: BenchArgs) -> None:
+def default_dtype(device: torch.device) -> str:
+    """The dtype the bench trains in when none is given: bfloat16 on a GPU (what mixed-precision
+    training computes in there), float32 on the CPU (where bfloat16 kernels are slow)."""
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
+def _check(args: BenchArgs) -> torch.device:
+    """Validates ``args`` before any work; returns the device they resolve to."""
     bad = [m for m in args.modes if m not in MODES]
     if bad or not args.modes:
         raise ValueError(f"modes: unknown {', '.join(map(repr, bad)) or '(none given)'}; choose from {', '.join(MODES)}")
     if args.steps < 1 or args.batch < 1:
         raise ValueError(f"steps and batch must be >= 1, got {args.steps} and {args.batch}")
-    if args.dtype not in DTYPES:
+    if args.dtype is not None and args.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
-    if args.device not in DEVICES:
-        raise ValueError(f"device {args.device!r} is not supported by the bench yet; use {', '.join(DEVICES)}")
+    return _device.resolve_device(args.device)
 
 
 def run(args: BenchArgs) -> dict:
-    """Runs the bench and returns the result dict (the structure ``--json`` writes)."""
+    """Runs the bench and returns the result dict (the structure ``--json`` writes).
+
+    Raises:
+        ValueError: for bad settings, a device that is not here, or a drive limit that cannot be
+            had, before any work is done.
+    """
     from ssdtrain.bench._memory import measure_in_child
     from ssdtrain.config import OffloadConfig
 
-    _check(args)
-    dtype = DTYPES[args.dtype]
+    dev = _check(args)
+    dtype_name = args.dtype or default_dtype(dev)
     if args.threads:
         torch.set_num_threads(args.threads)
     paths = list(OffloadConfig(path=args.path).paths if args.path else OffloadConfig().paths)
     offloading = bool(set(args.modes) & set(OFFLOAD_MODES))
-    result: dict[str, Any] = {"machine": _machine()}
+    limit = choose_limit(paths, args.drive_gbps, args.throttle) if offloading and args.drive_gbps else None
+    result: dict[str, Any] = {"machine": {**_machine(), **_device.device_info(dev)}}
     drive: dict[str, Any] = {"paths": paths, "write_gbps": None, "read_gbps": None}
     if offloading:
         drive = probe(paths, args.probe_bytes, args.progress)  # the raw drive, before any limit
-    limit = choose_limit(paths, args.drive_gbps, args.throttle) if offloading and args.drive_gbps else None
     drive["limit"] = limit.as_dict() if limit else None
     result["drive"] = drive
 
     cfg = args.model
-    result["model"] = {**asdict(cfg), "batch": args.batch, "dtype": args.dtype, "device": args.device,
+    result["model"] = {**asdict(cfg), "batch": args.batch, "dtype": dtype_name, "device": str(dev),
                        "steps": args.steps, "warmup_steps": 1}
-    with limited(limit):
+    if "save_on_cpu" in args.modes:
+        result["save_on_cpu"] = {"pin_memory": dev.type == "cuda", "note": (
+            "saved tensors are copied to pinned host memory and back" if dev.type == "cuda" else
+            "on the CPU, tensors already there are not copied: the mode costs only its hooks and holds what "
+            "baseline holds")}
+    with limited(limit), (torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()):
         bar = Progress(total=len(args.modes) * (2 + args.steps), label="bench", enabled=args.progress)
         try:
             bar.draw("memory steps (child process)", force=True)
-            spec = {"model": asdict(cfg), "dtype": args.dtype, "batch": args.batch, "seed": args.seed,
-                    "threads": args.threads, "modes": list(args.modes), "path": args.path,
+            spec = {"model": asdict(cfg), "dtype": dtype_name, "device": str(dev), "batch": args.batch,
+                    "seed": args.seed, "threads": args.threads, "modes": list(args.modes), "path": args.path,
                     "limit": limit.as_dict() if limit else None}
             memory = measure_in_child(spec)
             bar.update(len(args.modes))
-            steps = _timed_rounds(args, cfg, dtype, limit, bar, result)
+            steps = _timed_rounds(args, cfg, dev, DTYPES[dtype_name], limit, bar, result)
         finally:
             bar.close()
     result["modes"] = _summarize(steps, memory, drive, limit)
@@ -167,23 +196,23 @@ def run(args: BenchArgs) -> dict:
     return result
 
 
-def _timed_rounds(args: BenchArgs, cfg: GPTConfig, dtype, limit: DriveLimit | None, bar: Progress,
-                  result: dict) -> dict[str, list[Step]]:
+def _timed_rounds(args: BenchArgs, cfg: GPTConfig, dev: torch.device, dtype, limit: DriveLimit | None,
+                  bar: Progress, result: dict) -> dict[str, list[Step]]:
     from ssdtrain.bench.data import TokenLoader
 
     loader = TokenLoader(Path(args.work_dir or _default_work_dir()) / "corpus", batch_size=args.batch,
                          seq=cfg.seq, vocab=cfg.vocab, num_samples=max(256, 4 * args.batch),
-                         seed=args.seed, backend=args.data)
+                         seed=args.seed, backend=args.data, device=dev.type)
     result["input"] = {"backend": loader.backend}
     torch.manual_seed(args.seed)
-    reference = GPT(cfg).to(dtype)
+    reference = GPT(cfg).to(dtype)  # on the CPU; each mode gets its copy on the device
     result["model"]["params"] = reference.num_params()
     make_offloader = offloader_factory(args.path, limit)
     modes: dict[str, Mode] = {}
     steps: dict[str, list[Step]] = {name: [] for name in args.modes}
     try:
         for name in args.modes:
-            modes[name] = Mode(name, copy.deepcopy(reference), make_offloader)
+            modes[name] = Mode(name, copy.deepcopy(reference).to(dev), make_offloader)
         del reference
         result["offload"] = {name: {"backend": m.off.stats().backend, "config": _config_dict(m.off.config)}
                              for name, m in modes.items() if m.off is not None}
@@ -245,6 +274,9 @@ def _summarize(steps: dict[str, list[Step]], memory: dict, drive: dict, limit: D
             "step_time_ratio_of_medians": t / statistics.median(b.seconds for b in base) if base else None,
             "peak_saved_bytes": peak_saved,
             "peak_rss_bytes": memory[name]["rss_growth_bytes"],
+            "max_memory_allocated_bytes": memory[name].get("max_memory_allocated_bytes"),
+            "memory_allocated_start_bytes": memory[name].get("memory_allocated_start_bytes"),
+            "pinned_host_peak_bytes": memory[name].get("pinned_host_peak_bytes"),
             "peak_saved_bytes_per_step": [s.peak_saved for s in ss] if name in OFFLOAD_MODES else None,
             "written_bytes": written,
             "read_bytes": read,
@@ -256,22 +288,34 @@ def _summarize(steps: dict[str, list[Step]], memory: dict, drive: dict, limit: D
         }
     bw, br = drive_rates(drive, limit)
     for name, row in out.items():
-        for key, ref_key in (("peak_saved_ratio", "peak_saved_bytes"), ("peak_rss_ratio", "peak_rss_bytes")):
-            ref = out["baseline"][ref_key] if "baseline" in out else None
-            row[key] = row[ref_key] / ref if ref and row[ref_key] is not None else None
+        for key, ref_key in (("peak_saved_ratio", "peak_saved_bytes"), ("peak_rss_ratio", "peak_rss_bytes"),
+                             ("max_memory_allocated_ratio", "max_memory_allocated_bytes")):
+            row[key] = _ratio(row[ref_key], out["baseline"][ref_key]) if "baseline" in out else None
         for kind, raw in (("write", bw), ("read", br)):
             row[f"{kind}_share_of_drive"] = row[f"{kind}_gbps"] / raw if raw else None
-        ref_name = REFERENCE.get(name)
+        row["vs"] = {peer: _versus(row, out[peer], steps[name], steps[peer]) for peer in PEERS
+                     if peer in out and peer != name}
         if name == "recompute+offload" and "recompute" in out:
-            rec = out["recompute"]
-            row["vs_recompute"] = {
-                "step_time_ratio": statistics.median(_per_round(steps[name], steps["recompute"])),
-                "peak_saved_ratio": row["peak_saved_bytes"] / rec["peak_saved_bytes"] if rec["peak_saved_bytes"] else None,
-            }
+            row["vs_recompute"] = {k: row["vs"]["recompute"][k] for k in ("step_time_ratio", "peak_saved_ratio")}
+        ref_name = REFERENCE.get(name)
         if name in OFFLOAD_MODES:
             forward_ref = out[ref_name]["forward_s"] if ref_name in out else row["forward_s"]
             row["drive"] = _drive_figures(row, bw, br, forward_ref, ref_name if ref_name in out else name)
+            row["drive"].update(raw_write_gbps=drive.get("write_gbps"), raw_read_gbps=drive.get("read_gbps"),
+                                limit_gbps=limit.gbps if limit else None)
     return out
+
+
+def _ratio(x: float | None, ref: float | None) -> float | None:
+    return x / ref if x is not None and ref else None
+
+
+def _versus(row: dict, peer: dict, ss: list[Step], peer_steps: list[Step]) -> dict:
+    """A mode against a peer: step time (median of per-round ratios) and peak memory ratios."""
+    return {"step_time_ratio": statistics.median(_per_round(ss, peer_steps)),
+            "peak_saved_ratio": _ratio(row["peak_saved_bytes"], peer["peak_saved_bytes"]),
+            "max_memory_allocated_ratio": _ratio(row["max_memory_allocated_bytes"],
+                                                 peer["max_memory_allocated_bytes"])}
 
 
 def _drive_figures(row: dict, bw: float | None, br: float | None, forward_ref: float, ref_name: str) -> dict:
