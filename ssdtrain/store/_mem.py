@@ -9,6 +9,8 @@ from concurrent.futures import Future
 
 import torch
 
+from ssdtrain.store._pool import IOFuture
+
 
 def profiled(name: str):
     """A ``torch.profiler`` range while a profiler runs; nothing otherwise (the I/O path is hot)."""
@@ -36,8 +38,7 @@ def gather(futures: list[Future], *, flatten: bool = False) -> Future:
     into one list with ``flatten``, for futures whose results are lists), or with the first
     exception. It never completes while a chunk is still in flight, so an extent is not freed
     (and reused) under a late write."""
-    out: Future = Future()
-    out.set_running_or_notify_cancel()
+    out = IOFuture()  # Note [no Python-level lock on the training thread]
     if not futures:
         out.set_result([])
         return out

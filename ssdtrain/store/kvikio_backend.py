@@ -32,7 +32,7 @@ import os
 import re
 import zlib
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
@@ -55,6 +55,7 @@ from ssdtrain.config import OffloadConfig
 from ssdtrain.store import _fs
 from ssdtrain.store._arena import Arena, ArenaBackend, open_unnamed
 from ssdtrain.store._hostbuf import lead_of, raw_view, windows
+from ssdtrain.store._pool import IOPool
 from ssdtrain.store.base import ChecksumError, Extent, StorageError, align_up
 
 __all__ = ["KvikioBackend", "gds_status", "MIN_VERSION"]
@@ -156,9 +157,9 @@ class _Arena(Arena):
         finally:
             os.close(fd)
         self.direct = cfg.direct_io is not False and self.file.is_direct_io_supported()
-        self.pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix=f"ssdtrain-kvikio{index}")
+        self.pool = IOPool(cfg.io_threads, f"ssdtrain-kvikio{index}")
         # Reads have their own threads: backward waits on them, so they never queue behind writes.
-        self.read_pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix=f"ssdtrain-kvikio{index}r")
+        self.read_pool = IOPool(cfg.io_threads, f"ssdtrain-kvikio{index}r")
 
     def _open_gds(self, name: str):
         """Opens with compatibility mode OFF, so that a file cuFile cannot register fails here

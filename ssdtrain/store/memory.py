@@ -7,13 +7,14 @@ import itertools
 import threading
 import zlib
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
 from ssdtrain import device
 from ssdtrain.config import OffloadConfig
 from ssdtrain.store._mem import host_view
+from ssdtrain.store._pool import IOPool
 from ssdtrain.store.base import Backend, ChecksumError, Extent
 
 
@@ -26,7 +27,7 @@ class MemoryBackend(Backend):
         self._ids = itertools.count()
         self._blobs: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="ssdtrain-mem")
+        self._pool = IOPool(cfg.io_threads, "ssdtrain-mem")
         self._written = 0
         self._closed = False
         self._watch_fork()  # no threads in a forked child (Note [an offloader does not cross a fork])

@@ -22,7 +22,7 @@ import mmap
 import os
 import threading
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from collections.abc import Callable
 
 import torch
@@ -33,6 +33,7 @@ from ssdtrain.store import _fs
 from ssdtrain.store._arena import Arena, ArenaBackend, open_unnamed
 from ssdtrain.store._hostbuf import HostMapping, lead_of, raw_view, windows
 from ssdtrain.store._mem import capacity, gather, profiled
+from ssdtrain.store._pool import IOPool
 from ssdtrain.store.base import ALIGN, ChecksumError, Extent, StorageError, align_up
 
 log = logging.getLogger(__name__)
@@ -101,8 +102,8 @@ class _Arena(Arena):
             raise
         self.direct = self.fd_direct is not None
         # Reads have their own threads: backward waits on them, so they never queue behind writes.
-        self.pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix=f"ssdtrain-io{index}")
-        self.read_pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix=f"ssdtrain-io{index}r")
+        self.pool = IOPool(cfg.io_threads, f"ssdtrain-io{index}")
+        self.read_pool = IOPool(cfg.io_threads, f"ssdtrain-io{index}r")
 
     def _open_direct(self, want: bool | None) -> int | None:
         """A second descriptor of the arena with O_DIRECT, opened through ``/proc/self/fd`` (the

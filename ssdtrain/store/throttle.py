@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ssdtrain.store._pool import IOFuture
 from ssdtrain.store.base import Backend, Extent
 
 __all__ = ["ThrottledBackend"]
@@ -40,9 +41,7 @@ class _Pending:
     __slots__ = ("future", "_inner", "_left", "_lock")
 
     def __init__(self) -> None:
-        self.future: Future = Future()
-        # The I/O is issued: like a running executor task, the future can no longer be cancelled.
-        self.future.set_running_or_notify_cancel()
+        self.future = IOFuture()  # Note [no Python-level lock on the training thread]
         self._inner: Future | None = None
         self._left = 2  # the modelled time, and the inner I/O
         self._lock = threading.Lock()
@@ -193,6 +192,9 @@ class ThrottledBackend(Backend):
 
     def written_bytes_by_path(self) -> dict[str, int]:
         return self.inner.written_bytes_by_path()
+
+    def heal(self) -> None:
+        self.inner.heal()
 
     def describe(self) -> str:
         return (f"{self.inner.describe()}, throttled to write {_gbps(self.write_bps)}, "
