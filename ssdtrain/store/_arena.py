@@ -165,6 +165,13 @@ class ArenaBackend(Backend):
                 offset, length = arena.alloc.allocate(max(nbytes, 1) + (ALIGN if arena.direct else 0))
         return Extent(arena.index, offset, nbytes, length)
 
+    def heal(self) -> None:
+        """Note [leaked, never doubly held]: repairs an allocator that an interrupt tore."""
+        for arena in self._arenas:
+            with arena.lock:
+                if not arena.alloc.consistent():
+                    arena.alloc.heal()
+
     def free(self, extent: Extent) -> None:
         self._check_process()
         arena = self._arenas[extent.path_index]

@@ -82,6 +82,14 @@ class ExtentAllocator:
         return [(s, self._free_len[s]) for s in self._free_starts]
 
     def allocate(self, nbytes: int) -> tuple[int, int]:
+        """Reserves room for ``nbytes`` (see :meth:`_allocate`); heals a torn state first."""
+        try:
+            return self._allocate(nbytes)
+        except (KeyError, IndexError):  # an earlier change was cut short: Note [leaked, never doubly held]
+            self.heal()
+            return self._allocate(nbytes)
+
+    def _allocate(self, nbytes: int) -> tuple[int, int]:
         """Reserves room for ``nbytes``.
 
         Returns:
@@ -139,10 +147,40 @@ class ExtentAllocator:
             else:
                 why = f"was allocated with length {have}"
             raise ValueError(f"cannot free extent (offset={offset}, length={length}): it {why}")
-        self._release(offset, have)
+        self._release_healing(offset, have)
         if not trimmed:
-            self._dirty.add(offset, have, self._clock())
+            try:
+                self._dirty.add(offset, have, self._clock())
+            except (KeyError, IndexError):
+                self.heal()
         return [(offset, have)]
+
+    def consistent(self) -> bool:
+        """Whether the free ranges and counts agree with the live extents (cheap: sums only)."""
+        return (len(self._free_starts) == len(self._free_len) and self._free_total == sum(self._free_len.values())
+                and self._used == sum(self._allocated.values()) and self._dirty.consistent())
+
+    def heal(self) -> None:
+        """Derives the free ranges, ``end`` and the counts from the live extents again.
+
+        Note [leaked, never doubly held]: every change here removes a range from one side before
+        it adds it to the other (free lists, then ``_allocated``; or the reverse), so a change cut
+        short -- a KeyboardInterrupt on the training thread -- leaves bytes in neither, never in
+        both: the live extents (trim reservations among them) are the truth, and what lies
+        between them below their end is free. Untrimmed ranges are kept where they are free.
+        """
+        starts: list[int] = []
+        lens: dict[int, int] = {}
+        pos = 0
+        for off in sorted(self._allocated):
+            if off > pos:
+                starts.append(pos)
+                lens[pos] = off - pos
+            pos = max(pos, off + self._allocated[off])
+        self._free_starts, self._free_len, self._end = starts, lens, pos
+        self._free_total = sum(lens.values())
+        self._used = sum(self._allocated.values())
+        self._dirty = self._dirty.within([(s, lens[s]) for s in starts])
 
     @property
     def untrimmed_bytes(self) -> int:
@@ -166,11 +204,21 @@ class ExtentAllocator:
         Returns:
             The reserved ``(offset, length)`` ranges, coalesced, in offset order.
         """
-        picked = self._dirty.take(self._clock() - min_age, max_bytes)
+        try:
+            picked = self._dirty.take(self._clock() - min_age, max_bytes)
+        except (KeyError, IndexError):  # Note [leaked, never doubly held]
+            self.heal()
+            return []
+        reserved = []
         for off, length in picked:
-            self._reserve(off, length)
+            try:
+                self._reserve(off, length)
+            except (KeyError, IndexError, ValueError):  # torn, or not free after all: not trimmed now
+                self.heal()
+                continue
             self._trimming.add(off)
-        return picked
+            reserved.append((off, length))
+        return reserved
 
     def end_trim(self, ranges: Iterable[tuple[int, int]]) -> None:
         """Returns ranges from :meth:`begin_trim` (punched or not) to the free space."""
@@ -178,7 +226,7 @@ class ExtentAllocator:
             if off not in self._trimming or self._allocated.get(off) != length:
                 raise ValueError(f"end_trim({off}, {length}): not a range reserved by begin_trim")
             self._trimming.discard(off)
-            self._release(off, length)
+            self._release_healing(off, length)
 
     def _reserve(self, off: int, length: int) -> None:
         """Marks ``[off, off + length)`` -- free space, or above ``end`` -- as allocated."""
@@ -200,6 +248,13 @@ class ExtentAllocator:
                 self._insert_free(stop, start + flen - stop)
         self._allocated[off] = length
         self._used += length
+
+    def _release_healing(self, offset: int, have: int) -> None:
+        try:
+            self._release(offset, have)
+        except (KeyError, IndexError):  # Note [leaked, never doubly held]: torn by an earlier cut
+            self._allocated.pop(offset, None)
+            self.heal()
 
     def _release(self, offset: int, have: int) -> None:
         del self._allocated[offset]
@@ -297,6 +352,20 @@ class _RangeSet:
             if s + slen > stop:
                 self._put(stop, s + slen - stop, t)
                 break
+
+    def consistent(self) -> bool:
+        return len(self._starts) == len(self._ranges) and self.total == sum(n for n, _ in self._ranges.values())
+
+    def within(self, ranges: list[tuple[int, int]]) -> _RangeSet:
+        """A new set: the parts of these ranges inside ``ranges`` (sorted, disjoint); tolerates a
+        torn set (its dict is read, not its list)."""
+        out = _RangeSet()
+        for s, (n, t) in sorted(self._ranges.items()):
+            for fs, fn in ranges:
+                lo, hi = max(s, fs), min(s + n, fs + fn)
+                if lo < hi:
+                    out.add(lo, hi - lo, t)
+        return out
 
     def oldest(self, now: float) -> float:
         return max(now - t for _, t in self._ranges.values())

@@ -142,6 +142,10 @@ class Backend(abc.ABC):
     def written_bytes_by_path(self) -> dict[str, int]:
         return {}
 
+    def heal(self) -> None:
+        """Repairs bookkeeping that an interrupt on the training thread cut short; called by
+        ``Offloader.wait()`` once no I/O is in flight. Nothing to do by default."""
+
     def describe(self) -> str:
         """One line for logs and stats: backend, paths, direct I/O or not."""
         return self.name
