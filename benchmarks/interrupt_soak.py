@@ -18,9 +18,11 @@ import tempfile
 
 CHILD = r'''
 
-import gc, json, os, random, signal, sys
+import faulthandler, gc, json, os, random, signal, sys
 import torch
 import ssdtrain
+
+faulthandler.dump_traceback_later(100, exit=True)  # a hang: every thread's stack, before the kill
 
 random.seed(int(sys.argv[2]))
 torch.manual_seed(0)
@@ -76,6 +78,8 @@ def main(argv=None) -> int:
                                  timeout=120)
             line = out.stdout.strip().splitlines()[-1] if out.returncode == 0 and out.stdout.strip() else None
             r = json.loads(line) if line else {"error": out.stderr.strip().splitlines()[-1:]}
+            if "Timeout" in out.stderr:
+                r = {"error": "hung", "stacks": out.stderr[-6000:]}
         except subprocess.TimeoutExpired:
             r = {"error": "hung"}
         ok = r.get("live") == 0 and r.get("resident") == 0 and r.get("disk") == 0 and r.get("left") == []

@@ -85,7 +85,7 @@ class Entry:
         "data", "guard", "guard_weak", "extent", "checksum", "write_future", "read_future", "read_buf",
         "loaded", "loaded_weak", "gen", "unpacked_refs", "consumed_pass", "refs", "error",
         "tainted", "fence", "forwarded", "offloaded", "counted_ahead", "ref_weaks",
-        "__weakref__",
+        "scope_dropped", "__weakref__",
     )
 
     def __init__(self, id_: int, t: torch.Tensor, lo: int, hi: int, scope: Any, layer: int | None) -> None:
@@ -126,6 +126,7 @@ class Entry:
         self.offloaded = False
         self.counted_ahead = False
         self.ref_weaks: list[weakref.ref] = []
+        self.scope_dropped = False  # its scope was told it died (once)
 
     def covers(self, lo: int, hi: int) -> bool:
         return self.lo <= lo and hi <= self.lo + self.nbytes
@@ -150,6 +151,12 @@ class Entry:
         """Drops the in-memory copy (after it is safely on storage)."""
         self.guard = None
         self.data = None
+
+
+# Note [a lost __del__ is found again]: where a Ref's count stands, on its weak reference.
+OWED = 0     # counted in its entry's ``refs``; not given back yet
+FILED = 1    # dying: in the graveyard, given back at the next safe point
+COUNTED = 2  # nothing to give back (not counted yet, or given back)
 
 
 class _RefWeak(weakref.ref):
@@ -178,13 +185,13 @@ class Ref:
         # give it back are set by two stores with no call between them, so no KeyboardInterrupt
         # (Python runs signal handlers only at calls and jumps) can separate them.
         # Note [a lost __del__ is found again]: the weak reference tells wait() whether this Ref
-        # died without filing itself; "filed" is True while there is nothing to give back.
+        # died without filing itself (OWED), is in the graveyard (FILED), or was given back.
         self.weak = _RefWeak(self)
-        self.weak.filed = True
+        self.weak.filed = COUNTED
         entry.ref_weaks.append(self.weak)
         entry.refs += 1
         self.graveyard = graveyard
-        self.weak.filed = False
+        self.weak.filed = OWED
 
     def __del__(self) -> None:
         # Note [release at a safe point]: autograd drops saved references wherever it likes (even
@@ -193,8 +200,8 @@ class Ref:
         if getattr(self, "graveyard", None) is None:  # unset: __init__ was cut short at its start
             return
         try:
-            self.weak.filed = True  # no call between this and the append: no interrupt either
-            self.graveyard.append((self.entry, self.gen))
+            self.weak.filed = FILED  # no call between this and the append: no interrupt either
+            self.graveyard.append((self.entry, self.gen, self.weak))
         except Exception:  # pragma: no cover - interpreter shutdown
             pass
 
@@ -382,21 +389,19 @@ class Cache:
         e.data = e.guard = e.loaded = e.read_buf = e.read_future = None
         return state
 
-    def lost_refs(self) -> list[tuple[Entry, int]]:
+    def lost_refs(self) -> list[tuple[Entry, Any]]:
         """Note [a lost __del__ is found again]: a KeyboardInterrupt can strike as a dying Ref's
         ``__del__`` begins (Python checks for signals on entering a function), and the Ref then
-        never files itself; or between a new entry and its first Ref. Each entry holds weak
-        references to its Refs, which die with no code run: after the graveyard is drained (in
-        ``wait()``), a Ref dead and not filed owes its count, and an entry no Ref ever counted
-        owes one. Returns ``(entry, counts owed)``."""
+        never files itself; or between a new entry and its first Ref, or as a release began.
+        Each entry holds weak references to its Refs, which die with no code run: a Ref dead and
+        still OWED owes its count (``(entry, weak)``); an entry with no count and no Ref left
+        (none alive, none in the graveyard) is dead (``(entry, None)``)."""
         owed = []
         for e in list(self.entries.values()):
-            lost = sum(1 for w in e.ref_weaks if w() is None and not w.filed)
-            e.ref_weaks = [w for w in e.ref_weaks if w() is not None]
-            if e.refs == 0 and not e.ref_weaks:
-                e.refs = lost = 1
-            if min(lost, e.refs):
-                owed.append((e, min(lost, e.refs)))
+            owed += [(e, w) for w in e.ref_weaks if w() is None and w.filed == OWED]
+            e.ref_weaks = [w for w in e.ref_weaks if w() is not None or w.filed == FILED]
+            if e.refs <= 0 and not e.ref_weaks:
+                owed.append((e, None))
         return owed
 
     def free_late(self) -> None:

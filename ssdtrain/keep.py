@@ -35,21 +35,23 @@ def resolve_config(config: Any, overrides: dict[str, Any]) -> tuple[OffloadConfi
 
 
 def enter_hooks(pack: Any, unpack: Any, active: list, scope: Any) -> None:
-    """Enters saved-tensor hooks and records ``[hooks, scope]`` in ``active``.
+    """Pushes saved-tensor hooks and records ``[pack, scope]`` in ``active``.
 
-    Note [an interrupt never unbalances a count]: hooks entered by an interrupted ``__enter__``
-    would stay for good (no ``__exit__`` follows an ``__enter__`` that raised): they are left again.
+    Note [an interrupt never unbalances a count]: the push is torch's own C call (not
+    ``saved_tensors_hooks.__enter__``, Python code at whose start a Ctrl-C can strike), and
+    hooks pushed by a call cut short would stay for good (no ``__exit__`` follows an
+    ``__enter__`` that raised): they are popped again.
     """
-    hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+    rec = [pack, scope]
     try:
-        hooks.__enter__()
-        active.append([hooks, scope])
+        torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+        active.append(rec)
     except BaseException:
-        if active and active[-1][0] is hooks:
+        if active and active[-1] is rec:
             active.pop()
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         if top is not None and top[0] == pack:
-            hooks.__exit__(None, None, None)
+            torch._C._autograd._pop_saved_tensors_default_hooks()
         raise
 
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ssdtrain import device, keep
-from ssdtrain.cache import Cache, Entry, Ref, State, byte_span, entry_span, rebuild
+from ssdtrain.cache import COUNTED, Cache, Entry, Ref, State, byte_span, entry_span, rebuild
 from ssdtrain.config import OffloadConfig
 from ssdtrain.endurance import EnduranceMonitor
 from ssdtrain.schedule import KeepPolicy, ReadWindow, Scope, Scopes, WriteBudget, find_blocks
@@ -117,7 +117,14 @@ class Offloader:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        scope = self._deactivate(raise_errors=exc_type is None)
+        depth = len(self._scopes.active)
+        try:
+            scope = self._deactivate(raise_errors=exc_type is None)
+        except BaseException:
+            if len(self._scopes.active) == depth:  # interrupted before the hooks were popped
+                torch._C._autograd._pop_saved_tensors_default_hooks()
+                self._scopes.active.pop()
+            raise
         if exc_type is None:
             # Forward is over and backward comes next: keep what is still queued, start reading.
             with self._lock:
@@ -158,6 +165,7 @@ class Offloader:
         self._writer.pump()
         with self._lock:
             self._writer.settle()
+            self._backend.heal()
             self._cache.recount()
             armed = self._scopes.armed()
             for scope in armed:
@@ -235,11 +243,13 @@ class Offloader:
         self._budget.new_step(_now())
 
     def _deactivate(self, *, raise_errors: bool) -> Scope:
-        hooks, scope = self._scopes.active[-1]
+        rec = self._scopes.active[-1]
+        scope = rec[1]
         try:
-            hooks.__exit__(None, None, None)
+            torch._C._autograd._pop_saved_tensors_default_hooks()  # C: see keep.enter_hooks
         finally:
-            self._scopes.active.pop()
+            if self._scopes.active and self._scopes.active[-1] is rec:
+                self._scopes.active.pop()
         with self._lock:
             self._scopes.forget_if_empty(scope)
         self._writer.pump()
@@ -288,8 +298,7 @@ class Offloader:
                     ref = Ref(entry, t, self._graveyard)
                 except BaseException:
                     if fresh and entry is not None and entry.refs == 0:  # interrupted: nothing holds it
-                        entry.refs = 1
-                        self._drop_ref(entry, entry.gen)
+                        self._drop_ref(entry, -1, None)
                     raise
             if entry.state is State.QUEUED:
                 self._writer.pump()
@@ -343,21 +352,34 @@ class Offloader:
         with self._lock:
             self._cache.free_late()
             while self._graveyard:
-                e, gen = self._graveyard.popleft()
-                self._drop_ref(e, gen)
-            for e, lost in self._cache.lost_refs() if reconcile else ():  # Note [a lost __del__ is found again]
-                for _ in range(lost):
-                    self._drop_ref(e, -1)
+                # Given back before it leaves the graveyard: an interrupt in between leaves it
+                # there, and giving it back again does nothing (Note [an interrupt never
+                # unbalances a count]).
+                e, gen, weak = self._graveyard[0]
+                self._drop_ref(e, gen, weak)
+                self._graveyard.popleft()
+            for e, weak in self._cache.lost_refs() if reconcile else ():  # Note [a lost __del__ is found again]
+                self._drop_ref(e, -1, weak)
             self._cache.settle_written(self._writer.completed)
 
-    def _drop_ref(self, e: Entry, gen: int) -> None:
-        e.refs -= 1
-        if gen == e.gen:
-            e.unpacked_refs -= 1
+    def _drop_ref(self, e: Entry, gen: int, weak: Any) -> None:
+        """A Ref of ``e`` died: its count goes back (once per Ref); the last one releases ``e``.
+        ``weak`` None: ``e`` has no count and no Ref left, and only its release is owed."""
+        if weak is not None:
+            if weak.filed == COUNTED:
+                return
+            e.refs -= 1
+            weak.filed = COUNTED  # no call between the two stores: given back exactly once
+            if gen == e.gen:
+                e.unpacked_refs -= 1
         if e.refs > 0:
             self._cache.unload(e)
             return
-        e.scope.drop(e)
+        if e.state is State.FREED:
+            return
+        if not e.scope_dropped:
+            e.scope_dropped = True  # first: cut short here, the scope outlives it (never counted twice)
+            e.scope.drop(e)
         self._scopes.forget_if_empty(e.scope)
         if self._cache.release(e) is State.QUEUED:
             self._writer.forget(e)

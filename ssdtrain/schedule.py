@@ -124,7 +124,8 @@ class Scope:
 
 class Scopes:
     """The scopes with saves alive (``by_id``), and the activations in progress (``with off:``,
-    ``off.microbatch``) as ``[hooks, scope]`` records, innermost last (``active``)."""
+    ``off.microbatch``) as ``[pack hook, scope]`` records, innermost last (``active``; the pack
+    hook is ``None`` for hooks entered by hand)."""
 
     def __init__(self) -> None:
         self.by_id: dict[Any, Scope] = {}

@@ -144,12 +144,15 @@ class WriteQueue:
         try:
             with self._lock:
                 while self._queue and (not self._flight or self._writing_bytes < self._max_writing):
-                    e = self._queue.popleft()
+                    # Note [an interrupt never unbalances a count]: in this order, whatever step
+                    # an interrupt stops at, _interrupted finds ``e`` and undoes it.
+                    e = self._queue[0]
                     if e.state is State.QUEUED:
-                        e.state = State.WRITING  # no call between this and the flight entry
+                        batch.append((e, e.data))
+                        e.state = State.WRITING
                         self._flight[e.id] = (e, None)
                         self._writing_bytes += e.nbytes
-                        batch.append((e, e.data))
+                    self._queue.popleft()
             for e, src in batch:
                 submitting = e
                 try:
@@ -178,16 +181,17 @@ class WriteQueue:
         with self._lock:
             for e in reversed(batch):
                 held = self._flight.get(e.id)
-                if held is None or held[1] is not None:
-                    continue
-                del self._flight[e.id]
-                self._writing_bytes -= e.nbytes
+                if held is not None and held[1] is not None:
+                    continue  # handed over and recorded: it finishes as usual
+                self._flight.pop(e.id, None)
                 if e is submitting:
                     self.inflight_bytes -= e.nbytes
                     self._cache.lose_extent(e)
-                else:
-                    e.state = State.QUEUED
+                    continue
+                e.state = State.QUEUED
+                if not (self._queue and self._queue[0] is e):  # not popped yet: still queued
                     self._queue.appendleft(e)
+            self._writing_bytes = sum(e.nbytes for e, _ in self._flight.values())
             self._cond.notify_all()
 
     def _finish(self, e: Entry, fut, err: BaseException | None = None) -> None:
@@ -196,10 +200,11 @@ class WriteQueue:
         if fut is not None:
             err = fut.exception()
         with self._lock:
-            if self._flight.pop(e.id, None) is None:
+            if e.id not in self._flight:
                 return
-            self._writing_bytes -= e.nbytes
-            self.inflight_bytes -= e.nbytes
+            # The entry's state first, the flight record last: an interrupt in between (this runs
+            # inline on the main thread for a write done before its callback was added) leaves
+            # the record, and heal() finishes it again, idempotently.
             if err is None:
                 if self._cache.written(e, fut.result()):
                     self.completed.append(e)
@@ -208,6 +213,9 @@ class WriteQueue:
                     self._endurance.record(e.extent.path_index, e.nbytes)
             elif self._cache.write_failed(e):
                 self._failures.failed(err)
+            if self._flight.pop(e.id, None) is not None:
+                self._writing_bytes -= e.nbytes
+                self.inflight_bytes -= e.nbytes
             self._cond.notify_all()
         self.pump()
 
