@@ -55,6 +55,24 @@ def enter_hooks(pack: Any, unpack: Any, active: list, scope: Any) -> None:
         raise
 
 
+def leave_stale_steps(pack: Any, active: list) -> list:
+    """Pops the hooks of steps (``with off:``) still open on top; returns their scopes.
+
+    Note [an interrupt never unbalances a count]: a Ctrl-C as ``Offloader.__exit__`` (or the
+    call in it that pops the hooks) began leaves the hooks pushed and the step open, for good.
+    ``with off:`` blocks do not nest, so a step still open when the next begins, or at
+    ``close()``, is such a one.
+    """
+    left = []
+    while active and active[-1][0] == pack and active[-1][1].stats_id is None:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is None or top[0] != pack:
+            break
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        left.append(active.pop()[1])
+    return left
+
+
 def install_hooks(blocks: list[nn.Module], kept: list[nn.Module], layer_stack: list[int],
                   keep_depth: list[int]) -> list:
     """Forward hooks that tell pack which block runs (``layer_stack``) and whether a module of

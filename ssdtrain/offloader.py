@@ -113,8 +113,14 @@ class Offloader:
         return self._backend.name
 
     def __enter__(self) -> Offloader:
+        self._leave_stale_steps()
         self._activate(self._scopes.new_step())
         return self
+
+    def _leave_stale_steps(self) -> None:
+        for scope in keep.leave_stale_steps(self._pack, self._scopes.active):
+            with self._lock:
+                self._scopes.forget_if_empty(scope)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         depth = len(self._scopes.active)
@@ -122,8 +128,7 @@ class Offloader:
             scope = self._deactivate(raise_errors=exc_type is None)
         except BaseException:
             if len(self._scopes.active) == depth:  # interrupted before the hooks were popped
-                torch._C._autograd._pop_saved_tensors_default_hooks()
-                self._scopes.active.pop()
+                keep.leave_stale_steps(self._pack, self._scopes.active)
             raise
         if exc_type is None:
             # Forward is over and backward comes next: keep what is still queued, start reading.
@@ -213,6 +218,7 @@ class Offloader:
         if self._closed:
             return
         self._closed = True
+        self._leave_stale_steps()
         with self._lock:
             self._writer.release_held(self._scopes.by_id.values())
         self._writer.close()

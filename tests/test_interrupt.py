@@ -210,3 +210,23 @@ def test_interrupts_at_random_moments_of_training_leave_nothing_behind(off_dir, 
     assert_same(base, step(model, lambda: model(x).sum(), off))
     s = _settled(off, off_dir)
     assert s.written_bytes > 0
+
+
+def test_a_step_whose_exit_never_ran_is_left_by_the_next(off_dir):
+    """A Ctrl-C as ``__exit__`` begins: the hooks stay pushed and the step open. The next
+    ``with off:`` leaves them first (blocks do not nest); the step after is exact, and close()
+    leaves no hooks behind either."""
+    model = _model()
+    x = torch.randn(64, 256)
+    base = step(model, lambda: model(x).sum(), None)
+    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0)
+    off.__enter__()
+    model(x).sum()  # the forward, then no __exit__: what the interrupt amounts to
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    assert_same(base, step(model, lambda: model(x).sum(), off))
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    _settled(off, off_dir)
+    off2 = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0)
+    off2.__enter__()
+    off2.close()             # close() pops them too (the hooks are this thread's)
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
