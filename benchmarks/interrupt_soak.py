@@ -3,10 +3,10 @@
     python benchmarks/interrupt_soak.py [--seeds 20] [--path DIR]
 
 Prints, per seed, the interrupts that landed and what was left: live entries, resident and disk
-bytes, drive space retired (``lost_bytes``), files. A seed that hangs is killed after 120 s.
-Known (2026-11-24): on the 2-core VM, under load, about 1 seed in 30 still leaves one live entry,
-hangs, or trips the extent allocator, when the interrupt lands inside a multi-step state change in
-plain Python (the allocator, the cache); see Note [an interrupt never unbalances a count].
+bytes, drive space retired (``lost_bytes``), files. A seed that hangs is killed after 100 s, with
+every thread's stack. Real signals land where timing puts them; for the same stress at
+reproducible moments see ``tests/test_interrupt.py`` (interrupts as a random Python function
+begins). Results: see Note [an interrupt never unbalances a count] in docs/design.md.
 """
 
 import argparse

@@ -370,6 +370,21 @@ class Cache:
             e.unpacked_refs = 0
             self.counters.resident(-e.nbytes)
 
+    def give_back(self, e: Entry, gen: int, weak: Any) -> bool:
+        """A Ref of ``e`` died: its count goes back, once per Ref (``weak``; None: ``e`` has no
+        count and no Ref left); returns whether ``e`` must be released now (the last count)."""
+        if weak is not None:
+            if weak.filed == COUNTED:
+                return False
+            e.refs -= 1
+            weak.filed = COUNTED  # no call between the two stores: given back exactly once
+            if gen == e.gen:
+                e.unpacked_refs -= 1
+        if e.refs > 0:
+            self.unload(e)
+            return False
+        return e.state is not State.FREED
+
     def release(self, e: Entry) -> State:
         """The last reference died: the entry goes (FREED); returns the state it was in. Its
         extent is freed here unless a write or a read still uses it (the caller sees to it)."""

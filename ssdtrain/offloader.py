@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ssdtrain import device, keep
-from ssdtrain.cache import COUNTED, Cache, Entry, Ref, State, byte_span, entry_span, rebuild
+from ssdtrain.cache import Cache, Entry, Ref, State, byte_span, entry_span, rebuild
 from ssdtrain.config import OffloadConfig
 from ssdtrain.endurance import EnduranceMonitor
 from ssdtrain.schedule import KeepPolicy, ReadWindow, Scope, Scopes, WriteBudget, find_blocks
@@ -369,19 +369,8 @@ class Offloader:
             self._cache.settle_written(self._writer.completed)
 
     def _drop_ref(self, e: Entry, gen: int, weak: Any) -> None:
-        """A Ref of ``e`` died: its count goes back (once per Ref); the last one releases ``e``.
-        ``weak`` None: ``e`` has no count and no Ref left, and only its release is owed."""
-        if weak is not None:
-            if weak.filed == COUNTED:
-                return
-            e.refs -= 1
-            weak.filed = COUNTED  # no call between the two stores: given back exactly once
-            if gen == e.gen:
-                e.unpacked_refs -= 1
-        if e.refs > 0:
-            self._cache.unload(e)
-            return
-        if e.state is State.FREED:
+        """A Ref of ``e`` died (``weak`` None: only ``e``'s release is owed); the last releases it."""
+        if not self._cache.give_back(e, gen, weak):
             return
         if not e.scope_dropped:
             e.scope_dropped = True  # first: cut short here, the scope outlives it (never counted twice)

@@ -3,6 +3,7 @@ KeyboardInterrupts at the moments that used to break the offloader, injected det
 (Random moments: ``benchmarks/interrupt_soak.py``, a stress program with a known residual.)"""
 
 import gc
+import os
 import random
 import sys
 import threading
@@ -34,7 +35,9 @@ def _settled(off, off_dir):
     gc.collect()
     assert _returns(off.wait), "wait() hung"
     s = off.stats()
-    assert s.live_entries == 0 and s.resident_bytes == 0 and s.live_disk_bytes == 0, s
+    left = [(e.id, e.state.name, e.refs, [(w() is not None, w.filed) for w in e.ref_weaks], e.scope)
+            for e in off._entries.values()]
+    assert s.live_entries == 0 and s.resident_bytes == 0 and s.live_disk_bytes == 0, (left, s)
     assert _returns(off.close), "close() hung"
     assert list(off_dir.iterdir()) == []
     return s
@@ -176,14 +179,15 @@ def _calls_then_interrupt(cut: int | None, fn) -> int:
     return seen[0]
 
 
-# An interrupt that strikes as a __del__ begins (ours, or torch's StorageWeakRef's after its
-# __init__ was cut) is printed and dropped by Python ("Exception ignored in"), as a real Ctrl-C is.
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-@pytest.mark.parametrize("seed", range(3))
-def test_interrupts_at_random_moments_of_training_leave_nothing_behind(off_dir, seed):
+@pytest.mark.parametrize("seed", range(int(os.environ.get("SSDTRAIN_INTERRUPT_SEEDS", "5"))))  # more: a stress run
+def test_interrupts_at_random_moments_of_training_leave_nothing_behind(off_dir, seed, monkeypatch):
     """The issue's stress, made reproducible: each step (forward, backward, wait) is interrupted
     as a random one of all the Python functions it runs begins, 12 steps in a row; then the next step is exact,
     and wait() and close() leave no entry, no resident or disk byte, no file."""
+    # An interrupt that strikes as a __del__ begins (a dying Ref's; torch's StorageWeakRef's after
+    # its __init__ was cut) is dropped by Python ("Exception ignored in"), and the object dies.
+    # pytest's own hook would keep the exception, its frames and so the dying Ref alive.
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: None)
     model = _model()
     x = torch.randn(64, 256)
     base = step(model, lambda: model(x).sum(), None)
@@ -196,17 +200,17 @@ def test_interrupts_at_random_moments_of_training_leave_nothing_behind(off_dir, 
         off.wait()
         model.zero_grad(set_to_none=True)
 
-    total = _calls_then_interrupt(None, train)
+    total = min(_calls_then_interrupt(None, train) for _ in range(3))  # it varies with I/O timing
     rng = random.Random(seed)
     hits = 0
     for _ in range(12):
         try:
-            _calls_then_interrupt(rng.randint(1, total), train)
+            _calls_then_interrupt(rng.randint(1, total * 9 // 10), train)
         except KeyboardInterrupt:
             hits += 1
         model.zero_grad(set_to_none=True)
         gc.collect()
-    assert hits >= 10  # the cut fell inside the step (the count varies a little with timing)
+    assert hits >= 9  # the cut fell inside the step (almost always: the count varies with timing)
     assert_same(base, step(model, lambda: model(x).sum(), off))
     s = _settled(off, off_dir)
     assert s.written_bytes > 0
