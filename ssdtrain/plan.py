@@ -34,11 +34,18 @@ The model behind the numbers, stated once (each is also in the JSON under ``assu
   all-reduce, pipeline send/receive and the lower efficiency of small micro-batches are not
   modelled, so among fitting configurations the fastest is the one with the smallest bubble
   (ties go to fewer stages, then larger micro-batches).
-* **Drive** (offload): in a 1F1B slot a stage writes one micro-batch's activations and reads
-  another's back. The required write bandwidth is those bytes over the slot time; reads are
-  assumed at least as fast as writes and to proceed concurrently. When the drive is slower,
-  the slot stretches to the write time and the difference is reported as stall.
+* **Drive** (offload): ``--drives`` drives per GPU of ``--drive-gbps`` each. In a 1F1B slot a
+  stage writes one micro-batch's activations and reads another's back. The required write
+  bandwidth is those bytes over the slot time; reads are assumed at least as fast as writes and
+  to proceed concurrently. When the drive is slower, the slot stretches to the write time and
+  the difference is reported as stall (a strict memory bound: ``when_full="wait"``).
   Drive-writes per day = bytes written per GPU per day / the drive capacity per GPU.
+* **Drive-limited** (``drive_limited`` in the JSON; :mod:`ssdtrain.plan_drive`): what the
+  offloader's default policy (never wait on the drive) offloads at no cost, with and without
+  checkpointing, save by save: about ``min(B_write T_forward, B_read T_backward)`` per
+  micro-batch, less what the order of the saves forbids; the micro-batch and bubble the freed
+  memory buys, and the drives full offload needs. ``--tflops`` and ``--backward-tflops`` set
+  the compute rate, so a measured one predicts a given machine (``benchmarks/plan_vs_bench.py``).
 """
 
 from __future__ import annotations
@@ -49,19 +56,8 @@ import math
 import sys
 from dataclasses import asdict, dataclass
 
-__all__ = [
-    "MODES",
-    "Config",
-    "Inputs",
-    "activation_bytes_per_layer",
-    "best_config",
-    "evaluate",
-    "format_plan",
-    "head_activation_bytes",
-    "main",
-    "max_micro_batch",
-    "plan",
-]
+__all__ = ["MODES", "Config", "Inputs", "activation_bytes_per_layer", "best_config", "evaluate", "format_plan",
+           "head_activation_bytes", "main", "max_micro_batch", "plan"]
 
 MODES = ("baseline", "recompute", "offload")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -125,14 +121,23 @@ class Inputs:
     tflops: float = 400.0
     drive_gbps: float = 3.0
     drive_tb: float = 3.84
+    drives: int = 1
+    drive_read_gbps: float | None = None
+    backward_tflops: float | None = None
+    min_bytes: int = 1 << 20
+    handoff_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
-        for name in ("layers", "hidden", "heads", "seq", "vocab", "gpus", "global_batch"):
+        for name in ("layers", "hidden", "heads", "seq", "vocab", "gpus", "global_batch", "drives"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
-        for name in ("gpu_mem_gib", "tflops", "drive_gbps", "drive_tb"):
-            if not getattr(self, name) > 0:
+        if not isinstance(self.min_bytes, int) or self.min_bytes < 0:
+            raise ValueError(f"--min-bytes must be an integer >= 0, got {self.min_bytes!r}")
+        if not isinstance(self.handoff_bytes, int) or self.handoff_bytes < 1:
+            raise ValueError(f"--handoff-mib must come to at least 1 byte, got {self.handoff_bytes!r} bytes")
+        for name in ("gpu_mem_gib", "tflops", "drive_gbps", "drive_tb", "drive_read_gbps", "backward_tflops"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)!r}")
         if self.hidden % self.heads:
             raise ValueError(f"--hidden ({self.hidden}) must be divisible by --heads ({self.heads})")
@@ -147,6 +152,10 @@ class Inputs:
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def read_gbps(self) -> float:
+        return self.drive_read_gbps or self.drive_gbps
 
     def act_layer(self, micro_batch: int) -> int:
         return activation_bytes_per_layer(
@@ -262,7 +271,7 @@ def evaluate(
         per_mb = fraction * layers * inp.act_layer(b)
         written = int(per_mb * m)
         required = per_mb / slot / 1e9
-        stall = m * max(0.0, per_mb / (inp.drive_gbps * 1e9) - slot)
+        stall = m * max(0.0, per_mb / (inp.drive_gbps * inp.drives * 1e9) - slot)
     return Config(
         mode=mode,
         stages=p,
@@ -330,6 +339,8 @@ def plan(inp: Inputs) -> dict:
     for mode in MODES:
         p = inp.stages or (best[mode].stages if best[mode] else _stage_counts(inp)[-1])
         max_mb[mode] = max_micro_batch(inp, mode, p)
+    from ssdtrain.plan_drive import drive_limited
+
     # Drive figures for offloading everything at the best offload configuration: the bandwidth
     # at which offloading is free, and what it does to the drive's endurance.
     off = best["offload"]
@@ -353,12 +364,13 @@ def plan(inp: Inputs) -> dict:
         "required_write_gbps": required,
         "drive_writes_per_day": dwpd,
         "full_offload": asdict(full) if full else None,
+        "drive_limited": drive_limited(inp),
         "assumptions": {
             "bytes_per_param": BYTES_PER_PARAM,
             "reserved_fraction": RESERVE_FRACTION,
             "offload_resident_layers": OFFLOAD_RESIDENT_LAYERS,
             "schedule": "1F1B, bubble (p-1)/(m+p-1); no tensor parallelism, no ZeRO",
-            "drive_gbps_is": "sustained write bandwidth per GPU; reads assumed >= writes, concurrent",
+            "drive_gbps_is": "sustained write bandwidth per drive, --drives per GPU; reads >= writes, concurrent",
         },
     }
 
@@ -378,7 +390,7 @@ def format_plan(result: dict) -> str:
         f"model: {inp['layers']} layers, hidden {inp['hidden']}, {inp['heads']} heads, "
         f"seq {inp['seq']}, vocab {inp['vocab']}, {inp['dtype']}",
         f"cluster: {inp['gpus']} GPUs x {inp['gpu_mem_gib']:g} GiB, {inp['tflops']:g} TFLOPS achieved, "
-        f"drive {inp['drive_gbps']:g} GB/s per GPU; global batch {inp['global_batch']}",
+        f"{inp['drives']} x {inp['drive_gbps']:g} GB/s drive(s) per GPU; global batch {inp['global_batch']}",
         f"activations per layer per sequence: {_fmt_bytes(result['activation_bytes_per_layer'])}"
         f"  [{result['activation_formula']}]",
         "",
@@ -397,15 +409,18 @@ def format_plan(result: dict) -> str:
             f"{cfg['memory_gib']:>6.1f} GiB {cfg['step_time_s']:>8.3f}s {cfg['stall_s']:>7.3f}s"
         )
     lines.append("")
+    from ssdtrain.plan_drive import format_drive
+
+    drive = [""] + format_drive(result["drive_limited"])
     if result["required_write_gbps"] is None:
         lines.append("offload: no fitting configuration, no drive figures")
-        return "\n".join(lines)
+        return "\n".join(lines + drive)
     off, full = result["best"]["offload"], result["full_offload"]
     keeps_up = full["stall_s"] == 0
     lines.append(
         f"offloading all activations at {full['stages']} stage(s), micro-batch {full['micro_batch']} "
         f"needs {result['required_write_gbps']:.2f} GB/s of drive writes per GPU "
-        f"(given {inp['drive_gbps']:g}): "
+        f"(given {inp['drive_gbps'] * inp['drives']:g}): "
         + ("the drive keeps up." if keeps_up else
            f"the drive cannot keep up, {full['stall_s']:.3f}s stall per step "
            f"({full['step_time_s']:.3f}s instead of {full['step_time_s'] - full['stall_s']:.3f}s).")
@@ -419,7 +434,7 @@ def format_plan(result: dict) -> str:
         f"({off['required_write_gbps']:.2f} GB/s)"
         + (", i.e. nothing: it fits without offloading." if off["offload_fraction"] == 0 else ".")
     )
-    return "\n".join(lines)
+    return "\n".join(lines + drive)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -443,14 +458,19 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--tflops", type=float, default=400.0,
                     help="achieved TFLOPS per GPU (default 400)")
     ap.add_argument("--drive-gbps", type=float, default=3.0,
-                    help="sustained drive write bandwidth available to one GPU, GB/s (default 3)")
+                    help="sustained write bandwidth of one drive, GB/s (default 3)")
     ap.add_argument("--drive-tb", type=float, default=3.84,
                     help="drive capacity per GPU in TB, for drive-writes per day (default 3.84)")
     ap.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
+    from ssdtrain.plan_drive import add_arguments
+
+    add_arguments(ap)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ssdtrain.plan_drive import input_fields
+
     args = _parser().parse_args(argv)
     try:
         inp = Inputs(
@@ -458,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
             vocab=args.vocab, gpus=args.gpus, gpu_mem_gib=args.gpu_mem_gib,
             global_batch=args.global_batch, dtype=args.dtype, flash=not args.no_flash,
             dropout=not args.no_dropout, stages=args.stages, tflops=args.tflops,
-            drive_gbps=args.drive_gbps, drive_tb=args.drive_tb,
+            drive_gbps=args.drive_gbps, drive_tb=args.drive_tb, **input_fields(args),
         )
     except ValueError as exc:
         print(f"ssdtrain plan: {exc}", file=sys.stderr)

@@ -1,6 +1,7 @@
 """Tests for ssdtrain/plan.py: the analytic planner."""
 
 import json
+import math
 import time
 
 import pytest
@@ -202,3 +203,210 @@ def test_estimate_within_15_percent_of_real_saved_bytes(flash):
     assert blocks / cfg.layers == pytest.approx(per_layer, rel=0.15)
     estimate = cfg.layers * per_layer + P.head_activation_bytes(cfg.seq, cfg.hidden, cfg.vocab, b, dtype_bytes=4)
     assert total == pytest.approx(estimate, rel=0.15)
+
+
+# --- the drive-limited model (ssdtrain/plan_drive.py) ------------------------------------------
+
+from ssdtrain import plan_drive as D  # noqa: E402
+
+
+def _saves(*pairs, needed=None):
+    """Saves of the given (bytes, packed_s); needed_s defaults to far in backward, latest first."""
+    n = len(pairs)
+    needed = needed or [100.0 * (n - i) for i in range(n)]
+    return [D.Save(b, t, u) for (b, t), u in zip(pairs, needed)]
+
+
+def _sim(saves, **kw):
+    args = dict(forward_s=4.5, backward_s=1000.0, write_bps=1e9, read_bps=1e9, handoff_bytes=1 << 30, min_bytes=0)
+    args.update(kw)
+    return D.simulate(saves, **args)
+
+
+FOUR = [(100, 0.0), (100, 1.0), (100, 2.0), (100, 3.0), (100, 4.0)]
+
+
+def test_fast_drive_frees_everything_but_the_last_save():
+    step = _sim(_saves(*FOUR))
+    assert (step.saved_bytes, step.eligible_bytes) == (500, 400)
+    assert (step.free_bytes, step.tail_bytes, step.written_bytes, step.kept_bytes) == (400, 0, 400, 100)
+    assert not step.budget_bound and step.read_wait_s == 0
+
+
+def test_slow_drive_writes_in_pack_order_and_hands_over_a_tail():
+    # 50 B/s: save k is queued when save k+1 comes (t = k+1), written one after another in 2 s each.
+    # Done at 3, 5, 7, 9; forward ends at 4.5: one is freed, the three handed over are written in backward.
+    step = _sim(_saves(*FOUR), write_bps=50.0)
+    assert (step.free_bytes, step.tail_bytes, step.written_bytes, step.kept_bytes) == (100, 300, 400, 400)
+    assert step.capacity_bytes == pytest.approx(min(50.0 * 4.5, 1e9 * 1000.0))
+    # At most 150 bytes handed over at once: save 3 waits for save 1 (done at 5), after forward: cancelled.
+    step = _sim(_saves(*FOUR), write_bps=50.0, handoff_bytes=150)
+    assert (step.free_bytes, step.tail_bytes, step.written_bytes) == (100, 200, 300)
+    # One save is handed over when none is in flight, however small the handoff.
+    assert _sim(_saves(*FOUR), write_bps=50.0, handoff_bytes=1).written_bytes == 200
+
+
+def test_min_bytes_keeps_small_saves_and_the_last_eligible_waits():
+    saves = _saves((100, 0.0), (5, 1.0), (100, 2.0), (100, 3.0), (5, 4.0))
+    step = _sim(saves, min_bytes=10)
+    # Eligible: saves 0, 2, 3; the last of them (3) is never written, the small ones stay.
+    assert (step.eligible_bytes, step.free_bytes, step.kept_bytes) == (200, 200, 110)
+    # Save 0 is queued when save 2 (the next eligible one) comes, at t=2: at 50 B/s it is done at 4.
+    step = _sim(saves, min_bytes=10, write_bps=50.0, forward_s=3.9)
+    assert (step.free_bytes, step.tail_bytes) == (0, 200)
+
+
+def test_reads_too_slow_bind_the_budget_to_the_earliest_saves():
+    saves = _saves(*[(100, float(t)) for t in range(4)], needed=[9.0, 6.0, 3.0, 0.0])
+    # Read back in reverse from backward's start: save 2 at 100/r (needed at 3), save 1 at 200/r
+    # (at 6), save 0 at 300/r (at 9): in time at r >= 33.4 B/s.
+    on_time = _sim(saves, forward_s=10.0, backward_s=10.0, read_bps=34.0)
+    assert on_time.free_bytes == 300 and not on_time.budget_bound
+    late = _sim(saves, forward_s=10.0, backward_s=10.0, read_bps=25.0)
+    assert late.read_wait_s == pytest.approx(3.0)  # max(4 - 3, 8 - 6, 12 - 9)
+    assert late.budget_bound and (late.free_bytes, late.tail_bytes, late.written_bytes) == (200, 0, 200)
+    # A wait under max(10 ms, 1% of the step) is a read's latency, not a drive too slow.
+    barely = _sim(saves, forward_s=10.0, backward_s=10.0, read_bps=100 / 3.015)  # save 0 back at 9.045
+    assert barely.read_wait_s == pytest.approx(0.045) and not barely.budget_bound and barely.free_bytes == 300
+
+
+def test_simulate_rejects_bad_rates():
+    for bad in (dict(write_bps=0.0), dict(read_bps=-1.0), dict(handoff_bytes=0), dict(min_bytes=-1)):
+        with pytest.raises(ValueError, match="must be > 0"):
+            _sim(_saves(*FOUR), **bad)
+
+
+def _bench_saves(**kw):
+    args = dict(layers=3, seq=64, hidden=32, heads=4, vocab=100, micro_batch=2, dtype_bytes=4, flash=True,
+                dropout=False, checkpoint=False, head=True, tflops=1e-6, backward_tflops=2e-6)
+    args.update(kw)
+    return D.saves(**args)
+
+
+@pytest.mark.parametrize("flash,dropout,d", [(True, False, 4), (False, True, 2), (False, False, 2)])
+def test_saves_add_up_to_the_formula(flash, dropout, d):
+    s, h, a, v, b, L = 64, 32, 4, 100, 2, 3
+    saves, fwd, bwd = _bench_saves(flash=flash, dropout=dropout, dtype_bytes=d)
+    head = P.head_activation_bytes(s, h, v, b, dtype_bytes=d)
+    ids = 8 * s * b  # token ids, and the targets
+    assert sum(x.nbytes for x in saves) == L * P.activation_bytes_per_layer(s, h, a, b, dtype_bytes=d, flash=flash,
+                                                                          dropout=dropout) + head + 2 * ids
+    flops = D.forward_flops(layers=L, seq=s, hidden=h, vocab=v, micro_batch=b)
+    assert flops == b * (L * (24 * s * h * h + 4 * s * s * h) + 2 * s * h * v)
+    assert fwd == pytest.approx(flops / 1e6) and bwd == pytest.approx(2 * flops / 2e6)
+    packed = [x.packed_s for x in saves]
+    needed = [x.needed_s for x in saves]
+    assert packed == sorted(packed) and needed == sorted(needed, reverse=True)
+    assert needed[0] == pytest.approx(bwd) and needed[-1] == 0  # ids needed last, targets first
+
+
+def test_checkpointed_saves_are_block_inputs_and_backward_recomputes():
+    s, h, v, b, L = 64, 32, 100, 2, 3
+    saves, fwd, bwd = _bench_saves(checkpoint=True)
+    plain_fwd = _bench_saves()[1]
+    layer_flops = b * (24 * s * h * h + 4 * s * s * h)
+    assert [x.nbytes for x in saves[1:1 + L]] == [4 * s * b * h] * L
+    assert fwd == pytest.approx(plain_fwd)
+    assert bwd == pytest.approx(2 * D.forward_flops(layers=L, seq=s, hidden=h, vocab=v, micro_batch=b) / 2e6
+                                + L * layer_flops / 1e6)
+    # A layer's input is needed when its recomputation starts, before that layer's own backward.
+    last_layer_input = saves[L]
+    assert last_layer_input.needed_s == pytest.approx(2 * 2 * s * h * v * b / 2e6)
+
+
+def _bench_inp(**kw):
+    """The bench model (8 layers, hidden 512, seq 512, batch 4, fp32) on one 'GPU' at ~0.2 TFLOPS."""
+    base = dict(layers=8, hidden=512, heads=8, seq=512, vocab=8192, gpus=1, gpu_mem_gib=1024, global_batch=4,
+                stages=1, dtype="fp32", dropout=False, tflops=0.18, drive_gbps=2.0, handoff_bytes=32 << 20)
+    base.update(kw)
+    return P.Inputs(**base)
+
+
+def test_drive_limited_bench_model():
+    fast = D.drive_step(_bench_inp(), "offload", 1, 4)
+    # Everything of 1 MiB or more but the log-softmax (the last save, 64 MiB) is written.
+    assert fast.saved_bytes == 8 * 64 * 2**20 + 72 * 2**20 + 2 * 8 * 2048
+    assert fast.written_bytes == 520 * 2**20 and fast.tail_bytes == 4 * 2**20
+    slow = D.drive_step(_bench_inp(drive_gbps=0.02), "offload", 1, 4)
+    # Free: about what the drive writes in forward; written: that plus what was handed over (32 MiB + one save).
+    assert slow.free_bytes <= slow.capacity_bytes < slow.free_bytes + 16 * 2**20
+    assert 32 * 2**20 <= slow.tail_bytes <= 48 * 2**20
+    two = D.drive_step(_bench_inp(drive_gbps=0.02, drives=2), "offload", 1, 4)
+    assert two.free_bytes > slow.free_bytes
+    ckpt = D.drive_step(_bench_inp(drive_gbps=0.02), "recompute+offload", 1, 4)
+    assert ckpt.saved_bytes < slow.saved_bytes and ckpt.backward_s > slow.backward_s
+    assert ckpt.free_bytes / ckpt.saved_bytes > slow.free_bytes / slow.saved_bytes
+    with pytest.raises(ValueError, match="unknown mode"):
+        D.drive_step(_bench_inp(), "baseline", 1, 4)
+
+
+def test_plan_has_the_drive_limited_section():
+    result = P.plan(_inp(seq=8192, gpu_mem_gib=80, drive_gbps=3.0, tflops=400.0))
+    section = result["drive_limited"]
+    for mode in D.DRIVE_MODES:
+        row = section[mode]
+        best = row["best"]
+        assert best is not None and best["memory_gib"] <= 80 * (1 - P.RESERVE_FRACTION)
+        d = best["drive"]
+        assert best["free_bytes_per_step"] == d["free_bytes"] * best["num_microbatches"]
+        # Full offload: a micro-batch's saved bytes over what one drive carries in its step.
+        assert row["drives_for_full_offload"] == math.ceil(d["saved_bytes"] / d["capacity_bytes"])
+        assert row["max_micro_batch"] >= best["micro_batch"]
+    text = P.format_plan(result)
+    assert "drive-limited" in text and "at no cost" in text and "full offload needs" in text
+    # A drive per GPU more: more is offloaded, fewer drives still missing.
+    more = P.plan(_inp(seq=8192, gpu_mem_gib=80, drive_gbps=3.0, tflops=400.0, drives=4))["drive_limited"]
+    assert more["offload"]["best"]["drive"]["free_bytes"] >= section["offload"]["best"]["drive"]["free_bytes"]
+
+
+def test_new_inputs_are_validated():
+    for bad, flag in ((dict(drives=0), "--drives"), (dict(drive_read_gbps=0.0), "--drive-read-gbps"),
+                      (dict(backward_tflops=-1.0), "--backward-tflops"), (dict(min_bytes=-1), "--min-bytes"),
+                      (dict(handoff_bytes=0), "--handoff-mib")):
+        with pytest.raises(ValueError, match=flag):
+            _inp(**bad)
+    assert _inp(drive_gbps=2.0).read_gbps == 2.0 and _inp(drive_gbps=2.0, drive_read_gbps=5.0).read_gbps == 5.0
+
+
+def test_cli_drive_flags(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    rc = P.main(["--layers", "8", "--hidden", "512", "--heads", "8", "--seq", "512", "--vocab", "8192",
+                 "--gpus", "1", "--gpu-mem-gib", "1024", "--global-batch", "4", "--stages", "1", "--dtype", "fp32",
+                 "--no-dropout", "--tflops", "0.18", "--backward-tflops", "0.2", "--drive-gbps", "0.05",
+                 "--drive-read-gbps", "0.06", "--drives", "2", "--min-bytes", "0", "--handoff-mib", "32",
+                 "--json", str(out)])
+    assert rc == 0
+    assert "drive-limited" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    inputs = data["inputs"]
+    assert (inputs["drives"], inputs["drive_read_gbps"], inputs["backward_tflops"], inputs["min_bytes"],
+            inputs["handoff_bytes"]) == (2, 0.06, 0.2, 0, 32 << 20)
+    section = data["drive_limited"]
+    assert section["offload"]["best"]["drive"]["forward_s"] == pytest.approx(
+        D.forward_flops(layers=8, seq=512, hidden=512, vocab=8192, micro_batch=4) / 0.18e12)
+    rc = P.main(["--layers", "8", "--hidden", "512", "--heads", "8", "--seq", "512", "--vocab", "8192",
+                 "--gpus", "1", "--gpu-mem-gib", "1", "--global-batch", "4", "--handoff-mib", "0"])
+    assert rc == 2 and "--handoff-mib" in capsys.readouterr().err
+
+
+def test_plan_vs_bench_smoke(tmp_path, capsys):
+    """benchmarks/plan_vs_bench.py at the bench's --quick size, one throttled speed: so that it cannot rot."""
+    import importlib.util
+    from pathlib import Path
+
+    pytest.importorskip("torch")
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "plan_vs_bench.py"
+    spec = importlib.util.spec_from_file_location("plan_vs_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "pvb.json"
+    rc = module.main(["--quick", "--steps", "1", "--rate", "0.5", "--fractions", "10", "--throttle", "backend",
+                      "--path", str(tmp_path / "nvme"), "--work-dir", str(tmp_path / "work"), "--json", str(out)])
+    assert rc in (0, 1)  # a tiny model on a busy machine need not be within 20%; it must run
+    assert "predicted written" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert [(r["fraction"], r["mode"]) for r in data["records"]] == [(10.0, "offload"), (10.0, "recompute+offload")]
+    for record in data["records"]:
+        assert record["predicted_written_bytes"] > 0 and record["measured"]["written_bytes"] > 0
+        assert record["inputs"]["drive_gbps"] == pytest.approx(0.05)
+        assert record["command"].startswith("ssdtrain plan --layers 4 ")

@@ -1,0 +1,380 @@
+"""The drive-limited part of ``ssdtrain plan``: what a drive can take off a step at no cost.
+
+A GPU makes activations 20-60x faster than one NVMe drive takes them, so the drive, not the
+memory, decides what can be offloaded. In one micro-batch's step, roughly::
+
+    offloadable at no cost ~ min(B_write * T_forward, B_read * T_backward)
+
+bytes can go out during forward and come back during backward without compute waiting, less
+what the order of the saves forbids. This module works that out save by save, from the model's
+dimensions, the achieved compute rate and the drive, with the same rules the offloader follows
+(``ssdtrain/offloader.py``, ``writer.py``, ``schedule.py``):
+
+* **Saves**, per layer in pack order, the 16 tensors of Korthikanti et al. (``plan.py``'s
+  formula): LayerNorm input, QKV input, Q/K/V (one storage), [the s x s attention tensors with
+  naive attention], projection input, [dropout mask], LayerNorm input, MLP input, GELU input
+  (4 sbh), second MLP input (4 sbh), [dropout mask]; then the head: final LayerNorm input, head
+  input, the fp32 log-softmax (4 sbV) and the targets. The token ids come first. With
+  checkpointing a layer saves only its input (d sbh). Saves under ``min_bytes`` stay in memory.
+* **Time** is proportional to FLOPs: forward per sequence QKV 6sh^2, attention 4s^2h, projection
+  2sh^2, MLP 8sh^2 + 8sh^2, head 2shV, at ``tflops``; each op's backward is twice its FLOPs at
+  ``backward_tflops``; LayerNorm, GELU, softmax and the loss take no time. A save is packed
+  when its op runs forward and needed when that op's backward starts. With checkpointing a
+  layer's backward first recomputes its forward, and needs its input when that recomputation
+  starts.
+* **Writes** (Note [the last save waits]): the last save of ``min_bytes`` or more is never
+  written; each other one is queued when the next such save comes, and the pack that queues it
+  hands it over at once if it may (so the last save still sends the one before it). Queued
+  saves go to the drive in pack order, at most
+  ``handoff_bytes`` handed over at once (one more when none is in flight); the drive writes them
+  one after another at ``B_write``. When backward begins, what is still queued is cancelled and
+  kept (adaptive keep); what was handed over and not yet written is written during backward
+  but stays in memory (the *tail*: written, not freed); what was written frees its memory.
+* **Reads**: what was written before backward began is read back in reverse pack order from
+  the moment backward begins, at ``B_read``, one after another (the read-ahead window is assumed
+  never to hold them back: the room backward frees is theirs). A read that ends after its save
+  is needed makes backward wait. Note [write only what comes back in time]: when backward would
+  wait longer than ``max(10 ms, 1% of the step)``, the write budget lets only the earliest saves
+  go (backward needs them last) - the longest prefix whose reads all come in time.
+* Writes and reads are separate directions of the drive (as the bench's throttles model them).
+
+Not modelled: in a pipeline (1F1B) a micro-batch's writes may go on during other micro-batches'
+slots until its own backward; the planner counts only its own forward (conservative), on the
+first stage. A real drive serves the I/O threads' requests side by side, so a save may be done
+later than in the order above (``benchmarks/RESULTS.md``, 2026-11-24, has the measured effect). Drives for full offload are, as a sizing rule, the saved bytes of a micro-batch
+over what one drive carries in its step, ``min(B_write T_forward, B_read T_backward)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import asdict, dataclass
+
+__all__ = [
+    "DriveStep",
+    "Save",
+    "add_arguments",
+    "drive_limited",
+    "drive_step",
+    "format_drive",
+    "forward_flops",
+    "input_fields",
+    "saves",
+    "simulate",
+]
+
+MIB = 1 << 20
+# Note [write only what comes back in time] (schedule.py): read waits under these are a read's
+# latency, not a drive too slow, and do not shrink the write budget.
+DRIVE_BOUND = 0.01
+MIN_DRIVE_STALL = 0.010
+DRIVE_MODES = ("offload", "recompute+offload")
+
+
+@dataclass(frozen=True)
+class Save:
+    """One saved tensor: its bytes, when forward packs it and when backward first needs it
+    (seconds from the start of forward and of backward)."""
+
+    nbytes: int
+    packed_s: float
+    needed_s: float
+
+
+def _layer_ops(s: int, h: int, a: int, d: int, flash: bool, dropout: bool) -> list[tuple[float, int]]:
+    """One transformer layer's ops in forward order: (forward FLOPs, bytes it saves), per sequence."""
+    sh = s * h
+    attn_saves = 3 * d * sh
+    if not flash:
+        attn_saves += a * s * s * (d + ((1 + d) if dropout else 0))
+    ops = [(0.0, d * sh), (6.0 * sh * h, d * sh), (4.0 * s * sh, attn_saves), (2.0 * sh * h, d * sh)]
+    if dropout:
+        ops.append((0.0, sh))
+    ops += [(0.0, d * sh), (8.0 * sh * h, d * sh), (0.0, 4 * d * sh), (8.0 * sh * h, 4 * d * sh)]
+    if dropout:
+        ops.append((0.0, sh))
+    return ops
+
+
+def forward_flops(*, layers: int, seq: int, hidden: int, vocab: int, micro_batch: int = 1, head: bool = True) -> float:
+    """Forward FLOPs of one micro-batch: ``b(L(24sh^2 + 4s^2h) + 2shV)``, the head's term if ``head``;
+    divide by measured forward seconds for the compute rate ``--tflops`` wants (x 1e-12)."""
+    s, h = seq, hidden
+    return micro_batch * (layers * (24.0 * s * h * h + 4.0 * s * s * h) + (2.0 * s * h * vocab if head else 0.0))
+
+
+def saves(*, layers: int, seq: int, hidden: int, heads: int, vocab: int, micro_batch: int,
+          dtype_bytes: int, flash: bool, dropout: bool, checkpoint: bool, head: bool,
+          tflops: float, backward_tflops: float) -> tuple[list[Save], float, float]:
+    """The saves of one micro-batch's forward through ``layers`` layers (and the head, if
+    ``head``), in pack order, with forward's and backward's seconds (backward includes the
+    recomputation under ``checkpoint``)."""
+    s, h, b, d = seq, hidden, micro_batch, dtype_bytes
+    fwd = b / (tflops * 1e12)           # seconds per forward FLOP of one sequence
+    bwd = 2 * b / (backward_tflops * 1e12)  # seconds of backward per forward FLOP
+    ops = _layer_ops(s, h, heads, d, flash, dropout)
+    layer_flops = sum(f for f, _ in ops)
+    # (bytes, forward seconds of the op that saves it, backward seconds of that op); ``extra``: the
+    # seconds backward spends before that op's own backward (recomputing a checkpointed layer).
+    plan: list[tuple[int, float, float]] = [(8 * s * b, 0.0, 0.0)]  # the token ids
+    extra: list[float] = [0.0]
+    for _ in range(layers):
+        if checkpoint:
+            plan.append((d * s * b * h, layer_flops * fwd, layer_flops * bwd))
+            extra.append(layer_flops * fwd)  # its backward recomputes the layer first
+            continue
+        for flops, nbytes in ops:
+            plan.append((nbytes * b, flops * fwd, flops * bwd))
+            extra.append(0.0)
+    if head:
+        head_flops = 2.0 * s * h * vocab
+        plan += [(d * s * b * h, 0.0, 0.0), (d * s * b * h, head_flops * fwd, head_flops * bwd),
+                 (4 * s * b * vocab, 0.0, 0.0), (8 * s * b, 0.0, 0.0)]
+        extra += [0.0] * 4
+    # Forward: an op packs its saves when it starts. Backward runs the ops in reverse; each needs
+    # its saves when its backward (after any recomputation) starts.
+    packed, t = [], 0.0
+    for _, fsec, _ in plan:
+        packed.append(t)
+        t += fsec
+    forward_s = t
+    needed = [0.0] * len(plan)
+    t = 0.0
+    for i in range(len(plan) - 1, -1, -1):
+        needed[i] = t
+        t += extra[i] + plan[i][2]
+    return [Save(n, p, u) for (n, _, _), p, u in zip(plan, packed, needed)], forward_s, t
+
+
+@dataclass(frozen=True)
+class DriveStep:
+    """What the drive does with one micro-batch's saves (bytes per micro-batch)."""
+
+    saved_bytes: int
+    """Every save (what baseline keeps)."""
+    eligible_bytes: int
+    """Saves of ``min_bytes`` or more, less the last one (never written)."""
+    capacity_bytes: float
+    """``min(B_write * T_forward, B_read * T_backward)``: what the drive could carry."""
+    free_bytes: int
+    """Written during forward and read back in time: the memory offloading frees, at no cost."""
+    tail_bytes: int
+    """Handed to the drive and not written when backward began: written, but not freed."""
+    written_bytes: int
+    """``free_bytes + tail_bytes``: what the step writes."""
+    kept_bytes: int
+    """Everything else stays in memory (``saved_bytes - free_bytes``)."""
+    read_wait_s: float
+    """What backward would wait on reads if all the written saves were read back."""
+    budget_bound: bool
+    """Whether the write budget had to hold saves back (reads would not come in time)."""
+    forward_s: float
+    backward_s: float
+
+
+def _write(saves_: list[Save], eligible: list[int], forward_s: float, bps: float, handoff: int) -> list[float | None]:
+    """Completion time of each write but the last save's (None: still queued when backward began)."""
+    order = eligible[:-1]
+    done: list[float | None] = [None] * len(order)
+    end = 0.0          # when the drive finishes what it was handed
+    first = 0          # oldest write handed over and maybe not done
+    inflight = 0
+    for k, i in enumerate(order):
+        ready = saves_[eligible[k + 1]].packed_s  # queued when the next save to write comes
+        # Handed over once the writes in flight are under ``handoff`` bytes (or none is left).
+        t = ready
+        while first < k and inflight >= handoff:
+            t = max(t, done[first])
+            inflight -= saves_[order[first]].nbytes
+            first += 1
+        while first < k and done[first] <= t:
+            inflight -= saves_[order[first]].nbytes
+            first += 1
+        if t > forward_s:
+            break  # backward began: the rest is cancelled (a save's pack hands over before it ends)
+        end = max(end, t) + saves_[i].nbytes / bps
+        done[k] = end
+        inflight += saves_[i].nbytes
+    return done
+
+
+def _read_wait(saves_: list[Save], idx: list[int], bps: float) -> float:
+    """Backward's wait if ``idx`` (pack order) are read back in reverse from backward's start."""
+    wait, t = 0.0, 0.0
+    for i in reversed(idx):
+        t += saves_[i].nbytes / bps
+        wait = max(wait, t - saves_[i].needed_s)
+    return wait
+
+
+def simulate(saves_: list[Save], *, forward_s: float, backward_s: float, write_bps: float, read_bps: float,
+             handoff_bytes: int, min_bytes: int) -> DriveStep:
+    """What the offloader writes, frees and keeps of one micro-batch's ``saves_`` on a drive of
+    ``write_bps`` / ``read_bps`` bytes per second (the rules in the module docstring)."""
+    if not (write_bps > 0 and read_bps > 0 and handoff_bytes > 0 and min_bytes >= 0):
+        raise ValueError(f"drive rates and handoff_bytes must be > 0 and min_bytes >= 0, got write_bps={write_bps!r}, "
+                         f"read_bps={read_bps!r}, handoff_bytes={handoff_bytes!r}, min_bytes={min_bytes!r}")
+    eligible = [i for i, s in enumerate(saves_) if s.nbytes and s.nbytes >= min_bytes]
+    order = eligible[:-1]
+    total = sum(s.nbytes for s in saves_)
+    done = _write(saves_, eligible, forward_s, write_bps, handoff_bytes)
+    freed = [i for i, t in zip(order, done) if t is not None and t <= forward_s]
+    tail = sum(saves_[i].nbytes for i, t in zip(order, done) if t is not None and t > forward_s)
+    wait = _read_wait(saves_, freed, read_bps)
+    bound = False
+    tolerance = max(MIN_DRIVE_STALL, DRIVE_BOUND * (forward_s + backward_s))
+    if wait > tolerance:
+        # The budget: the earliest saves, as many as come back in time; nothing else is queued.
+        bound, tail = True, 0
+        while freed and _read_wait(saves_, freed, read_bps) > tolerance:
+            freed.pop()
+    free = sum(saves_[i].nbytes for i in freed)
+    return DriveStep(
+        saved_bytes=total, eligible_bytes=sum(saves_[i].nbytes for i in order),
+        capacity_bytes=min(write_bps * forward_s, read_bps * backward_s), free_bytes=free, tail_bytes=tail,
+        written_bytes=free + tail, kept_bytes=total - free, read_wait_s=wait, budget_bound=bound,
+        forward_s=forward_s, backward_s=backward_s,
+    )
+
+
+def drive_step(inp, mode: str, stages: int, micro_batch: int, *, head: bool | None = None) -> DriveStep:
+    """:func:`simulate` for ``inp`` (a :class:`ssdtrain.plan.Inputs`): one micro-batch of the
+    first of ``stages`` pipeline stages (the whole model, head included, when ``stages == 1``)."""
+    if mode not in DRIVE_MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose one of {DRIVE_MODES}")
+    layers = math.ceil(inp.layers / stages)
+    list_, fwd, bwd = saves(
+        layers=layers, seq=inp.seq, hidden=inp.hidden, heads=inp.heads, vocab=inp.vocab, micro_batch=micro_batch,
+        dtype_bytes=inp.dtype_bytes, flash=inp.flash, dropout=inp.dropout, checkpoint=mode != "offload",
+        head=stages == 1 if head is None else head, tflops=inp.tflops,
+        backward_tflops=inp.backward_tflops or inp.tflops)
+    return simulate(list_, forward_s=fwd, backward_s=bwd, write_bps=inp.drive_gbps * inp.drives * 1e9,
+                    read_bps=inp.read_gbps * inp.drives * 1e9, handoff_bytes=inp.handoff_bytes * inp.drives,
+                    min_bytes=inp.min_bytes)
+
+
+def _fits(inp, mode: str, p: int, b: int, m: int) -> tuple[float, DriveStep]:
+    """Peak bytes per GPU at (p, b) when each micro-batch in flight frees what the drive can take."""
+    from ssdtrain.plan import _stage_memory
+
+    step = drive_step(inp, mode, p, b)
+    inflight = min(m, p)
+    if mode == "offload":
+        layer_act = math.ceil(inp.layers / p) * inp.act_layer(b)
+        return _stage_memory(inp, "offload", p, b, m, min(1.0, step.free_bytes / layer_act)), step
+    return _stage_memory(inp, "recompute", p, b, m) - inflight * step.free_bytes, step
+
+
+def _best(inp, mode: str) -> dict | None:
+    from ssdtrain.plan import _divisors, _stage_counts, _usable_bytes, evaluate
+
+    usable = _usable_bytes(inp)
+    best = None
+    for p in _stage_counts(inp):
+        dp = inp.gpus // p
+        if inp.global_batch % dp:
+            continue
+        for b in _divisors(inp.global_batch // dp):
+            cfg = evaluate(inp, "baseline" if mode == "offload" else "recompute", p, b)
+            if cfg is None:
+                continue
+            memory, step = _fits(inp, mode, p, b, cfg.num_microbatches)
+            if memory > usable:
+                continue
+            key = (float(f"{cfg.step_time_s:.9g}"), p, -b)
+            if best is None or key < best[0]:
+                best = (key, cfg, memory, step)
+    if best is None:
+        return None
+    _, cfg, memory, step = best
+    m = cfg.num_microbatches
+    return {"stages": cfg.stages, "data_parallel": cfg.data_parallel, "micro_batch": cfg.micro_batch,
+            "num_microbatches": m, "bubble_fraction": cfg.bubble_fraction, "memory_gib": memory / (1 << 30),
+            "step_time_s": cfg.step_time_s, "free_bytes_per_step": step.free_bytes * m,
+            "written_bytes_per_step": step.written_bytes * m, "saved_bytes_per_step": step.saved_bytes * m,
+            "drive": asdict(step)}
+
+
+def _max_micro_batch(inp, mode: str, p: int) -> int:
+    from ssdtrain.plan import _usable_bytes
+
+    usable = _usable_bytes(inp)
+    if _fits(inp, mode, p, 1, p)[0] > usable:
+        return 0
+    lo, hi = 1, 2
+    while hi < 1 << 20 and _fits(inp, mode, p, hi, p)[0] <= usable:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if _fits(inp, mode, p, mid, p)[0] <= usable else (lo, mid)
+    return lo
+
+
+def drive_limited(inp) -> dict:
+    """The drive-limited section of the plan: per mode, at its fastest fitting configuration,
+    the bytes a step offloads at no cost, the micro-batch and bubble that buys, and the drives
+    needed to offload everything."""
+    out: dict = {"drives": inp.drives, "write_gbps_per_drive": inp.drive_gbps, "read_gbps_per_drive": inp.read_gbps,
+                 "handoff_bytes_per_drive": inp.handoff_bytes, "min_bytes": inp.min_bytes}
+    for mode in DRIVE_MODES:
+        best = _best(inp, mode)
+        row: dict = {"best": best, "max_micro_batch": None, "drives_for_full_offload": None}
+        if best is not None:
+            row["max_micro_batch"] = _max_micro_batch(inp, mode, best["stages"])
+            one = inp.__class__(**{**asdict(inp), "drives": 1})
+            per_drive = drive_step(one, mode, best["stages"], best["micro_batch"]).capacity_bytes
+            need = best["drive"]["saved_bytes"]
+            row["drives_for_full_offload"] = math.ceil(need / per_drive) if per_drive > 0 else None
+        out[mode] = row
+    return out
+
+
+def _gib(n: float) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / MIB:.1f} MiB"
+
+
+def format_drive(section: dict) -> list[str]:
+    """Lines of the human-readable plan for :func:`drive_limited`'s section."""
+    lines = [f"drive-limited (at no cost: never waits on the drive): {section['drives']} drive(s) per GPU, "
+             f"{section['write_gbps_per_drive']:g} GB/s write, {section['read_gbps_per_drive']:g} GB/s read each"]
+    for mode in DRIVE_MODES:
+        row = section[mode]
+        best = row["best"]
+        if best is None:
+            lines.append(f"  {mode}: does not fit at any configuration")
+            continue
+        d = best["drive"]
+        share = d["free_bytes"] / d["saved_bytes"] if d["saved_bytes"] else 0.0
+        lines.append(
+            f"  {mode}: offloads {_gib(best['free_bytes_per_step'])} per step at no cost ({share:.0%} of "
+            f"{_gib(best['saved_bytes_per_step'])} saved; writes {_gib(best['written_bytes_per_step'])}); "
+            f"{best['stages']} stage(s), micro-batch {best['micro_batch']} (max {row['max_micro_batch']}), "
+            f"bubble {best['bubble_fraction']:.1%}, {best['memory_gib']:.1f} GiB/GPU, step {best['step_time_s']:.3f}s")
+        lines.append(
+            f"    per micro-batch: drive could carry {_gib(d['capacity_bytes'])} = min(write x forward "
+            f"{d['forward_s']:.3f}s, read x backward {d['backward_s']:.3f}s); full offload needs "
+            f"{row['drives_for_full_offload']} drive(s) per GPU"
+            + ("; reads would not come back in time: the write budget keeps the rest" if d["budget_bound"] else ""))
+    return lines
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The drive-limited model's flags on ``ssdtrain plan``'s parser."""
+    ap.add_argument("--drives", type=int, default=1, help="drives per GPU, each of --drive-gbps (default 1)")
+    ap.add_argument("--drive-read-gbps", type=float, default=None,
+                    help="sustained read GB/s of one drive (default: --drive-gbps)")
+    ap.add_argument("--backward-tflops", type=float, default=None,
+                    help="achieved TFLOPS in backward (default: --tflops); with --tflops, the compute rate "
+                    "measured on a machine (FLOPs of forward over its seconds, 2x that for backward)")
+    ap.add_argument("--min-bytes", type=int, default=1 << 20,
+                    help="saves under this many bytes stay in memory (the offloader's min_bytes; default 1 MiB)")
+    ap.add_argument("--handoff-mib", type=float, default=64.0,
+                    help="MiB the offloader hands to one drive at once: 2 x chunk_bytes x io_threads "
+                    "(default 64: 8 MiB chunks, 4 threads)")
+
+
+def input_fields(args: argparse.Namespace) -> dict:
+    """:class:`ssdtrain.plan.Inputs` fields from :func:`add_arguments`'s flags."""
+    return {"drives": args.drives, "drive_read_gbps": args.drive_read_gbps, "backward_tflops": args.backward_tflops,
+            "min_bytes": args.min_bytes, "handoff_bytes": int(args.handoff_mib * MIB)}
