@@ -22,9 +22,10 @@ dimensions, the achieved compute rate and the drive, with the same rules the off
   when its op runs forward and needed when that op's backward starts. With checkpointing a
   layer's backward first recomputes its forward, and needs its input when that recomputation
   starts.
-* **Writes** (Note [the last save waits]): the last save of ``min_bytes`` or more is never
-  written; each other one is queued when the next such save comes, and the pack that queues it
-  hands it over at once if it may (so the last save still sends the one before it). Queued
+* **Writes** (Note [the last save waits]): each save of ``min_bytes`` or more is held until the
+  next one of at least a quarter of its size comes (a smaller one is queued at once instead),
+  and the one still held at the end is never written; the pack that queues a save hands it
+  over at once if it may (so the last save still sends the one before it). Queued
   saves go to the drive in pack order, at most
   ``handoff_bytes`` handed over at once (one more when none is in flight); the drive writes them
   one after another at ``B_write``. When backward begins, what is still queued is cancelled and
@@ -154,7 +155,7 @@ class DriveStep:
     saved_bytes: int
     """Every save (what baseline keeps)."""
     eligible_bytes: int
-    """Saves of ``min_bytes`` or more, less the last one (never written)."""
+    """Saves of ``min_bytes`` or more, less the one held at the end (never written)."""
     capacity_bytes: float
     """``min(B_write * T_forward, B_read * T_backward)``: what the drive could carry."""
     free_bytes: int
@@ -173,15 +174,32 @@ class DriveStep:
     backward_s: float
 
 
-def _write(saves_: list[Save], eligible: list[int], forward_s: float, bps: float, handoff: int) -> list[float | None]:
-    """Completion time of each write but the last save's (None: still queued when backward began)."""
-    order = eligible[:-1]
+def _queue(saves_: list[Save], eligible: list[int]) -> list[tuple[int, float]]:
+    """The saves queued for writing, in queue order, with the time each is queued: a save is held
+    until the next one of at least a quarter of its size (``WriteQueue.hold``); a smaller one is
+    queued at once; the one held at the end is not queued."""
+    queue: list[tuple[int, float]] = []
+    held = None
+    for i in eligible:
+        if held is not None and 4 * saves_[i].nbytes < saves_[held].nbytes:
+            queue.append((i, saves_[i].packed_s))
+            continue
+        if held is not None:
+            queue.append((held, saves_[i].packed_s))
+        held = i
+    return queue
+
+
+def _write(saves_: list[Save], queue: list[tuple[int, float]], forward_s: float, bps: float,
+           handoff: int) -> list[float | None]:
+    """Completion time of each queued write (None: still queued when backward began)."""
+    order = [i for i, _ in queue]
     done: list[float | None] = [None] * len(order)
     end = 0.0          # when the drive finishes what it was handed
     first = 0          # oldest write handed over and maybe not done
     inflight = 0
     for k, i in enumerate(order):
-        ready = saves_[eligible[k + 1]].packed_s  # queued when the next save to write comes
+        ready = queue[k][1]
         # Handed over once the writes in flight are under ``handoff`` bytes (or none is left).
         t = ready
         while first < k and inflight >= handoff:
@@ -216,9 +234,10 @@ def simulate(saves_: list[Save], *, forward_s: float, backward_s: float, write_b
         raise ValueError(f"drive rates and handoff_bytes must be > 0 and min_bytes >= 0, got write_bps={write_bps!r}, "
                          f"read_bps={read_bps!r}, handoff_bytes={handoff_bytes!r}, min_bytes={min_bytes!r}")
     eligible = [i for i, s in enumerate(saves_) if s.nbytes and s.nbytes >= min_bytes]
-    order = eligible[:-1]
+    queue = _queue(saves_, eligible)
+    order = [i for i, _ in queue]
     total = sum(s.nbytes for s in saves_)
-    done = _write(saves_, eligible, forward_s, write_bps, handoff_bytes)
+    done = _write(saves_, queue, forward_s, write_bps, handoff_bytes)
     freed = [i for i, t in zip(order, done) if t is not None and t <= forward_s]
     tail = sum(saves_[i].nbytes for i, t in zip(order, done) if t is not None and t > forward_s)
     wait = _read_wait(saves_, freed, read_bps)

@@ -73,11 +73,17 @@ class WriteQueue:
         would go to the drive only to be handed back from memory. When backward begins the
         held write is cancelled like any other queued one (adaptive keep). It is queued after
         all when another forward starts first (pipelines), on ``wait()``, and when pack waits
-        for room.
+        for room. A save under a quarter of the held one's size does not release it: it is
+        queued itself (the loss's targets after the logits), so the large save that backward
+        needs first is not written in vain as forward ends.
         """
         self.inflight_bytes += e.nbytes
-        if scope.held is not None:
-            self._enqueue(scope.held)
+        held = scope.held
+        if held is not None and 4 * e.nbytes < held.nbytes:
+            self._enqueue(e)
+            return
+        if held is not None:
+            self._enqueue(held)
         scope.held = e
 
     def release_held(self, scopes: Iterable[Any]) -> None:

@@ -352,3 +352,29 @@ def test_the_last_save_is_kept_for_backward(off_dir):
         assert s.unique_bytes == 2 * nbytes * len(grads)
         assert (s.written_bytes, s.adaptive_keep_bytes) == (written * nbytes, kept * nbytes), schedule.__name__
         assert all(torch.equal(g, expected) for g in grads)
+
+
+def test_a_small_last_save_does_not_release_the_large_one_before_it(off_dir):
+    """Note [the last save waits], with a loss at the end: cross-entropy saves the large
+    log-softmax and then the small targets. The targets are queued themselves and the
+    log-softmax stays held, so backward gets it from memory and it is never written in vain."""
+    torch.manual_seed(0)
+    logits_in = torch.randn(256, 512, requires_grad=True)
+    head = nn.Linear(512, 4096)
+    targets = torch.randint(0, 4096, (256,))
+
+    def loss_fn():
+        return nn.functional.cross_entropy(head(logits_in), targets)
+
+    expected = torch.autograd.grad(loss_fn(), [logits_in, head.weight])
+    off = ssdtrain.Offloader(path=str(off_dir), min_bytes=0)
+    with off:
+        loss = loss_fn()
+    got = torch.autograd.grad(loss, [logits_in, head.weight])
+    off.wait()
+    s = off.stats()
+    off.close()
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    log_softmax = 256 * 4096 * 4
+    assert s.adaptive_keep_bytes == log_softmax           # held, then cancelled as backward began
+    assert 0 < s.written_bytes < log_softmax               # the head's input and the targets went
