@@ -359,6 +359,12 @@ class Cache:
         if e.read_future is future:
             e.loaded, e.read_buf, e.read_future = buf, None, None
 
+    def forwarded(self, e: Entry) -> None:
+        """Backward takes an offloaded entry from memory, with no read (counted once)."""
+        if not e.forwarded and e.offloaded:
+            e.forwarded = True
+            self.counters.add(e.scope.stats_id, "forwarded_bytes", e.nbytes)
+
     def unload(self, e: Entry) -> None:
         """Once every live save of a reloaded entry has been unpacked, its buffer is held weakly
         (a later pass, with ``retain_graph``, finds it while autograd still holds it)."""

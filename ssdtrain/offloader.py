@@ -172,13 +172,7 @@ class Offloader:
             self._writer.settle()
             self._backend.heal()
             self._cache.recount()
-            armed = self._scopes.armed()
-            for scope in armed:
-                # The window kept what it passed in memory; release it too. Writes that finished
-                # before now were settled at an earlier safe point and kept for the window: they
-                # go through the drain again.
-                scope.restart()
-                self._writer.completed.extend(e for e in scope.order if e.state is State.WRITTEN)
+            armed = self._scopes.restart_armed(self._writer.completed)
         self._safe_point(raise_errors=True)
         with self._lock:
             for scope in armed:
@@ -405,9 +399,7 @@ class Offloader:
                 if e.data is not None:
                     if e.state is State.QUEUED:
                         self._writer.cancel(e)
-                    if not e.forwarded and e.offloaded:
-                        e.forwarded = True
-                        self._counters.add(e.scope.stats_id, "forwarded_bytes", e.nbytes)
+                    self._cache.forwarded(e)
                     return device.for_consumer(rebuild(e.data, ref))
                 if e.error is not None:
                     # A fresh copy each time: a raised exception keeps its traceback, and the

@@ -138,8 +138,16 @@ class Scopes:
     def in_forward(self) -> list[Scope]:
         return [s for s in self.by_id.values() if not s.backward_started]
 
-    def armed(self) -> list[Scope]:
-        return [s for s in self.by_id.values() if s.armed]
+    def restart_armed(self, completed: Any) -> list[Scope]:
+        """``wait()`` with backward announced and nothing unpacked yet: the window kept what it
+        passed in memory, so each such scope starts over, and its writes that finished before
+        now (settled earlier, kept for the window) go through the drain again (``completed``).
+        Returns those scopes."""
+        armed = [s for s in self.by_id.values() if s.armed]
+        for scope in armed:
+            scope.restart()
+            completed.extend(e for e in scope.order if e.state is State.WRITTEN)
+        return armed
 
     def forget_if_empty(self, scope: Scope) -> None:
         """A scope with nothing saved and no activation has nothing to read back."""
