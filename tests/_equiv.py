@@ -21,8 +21,11 @@ def step(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], off: ssdtr
     else:
         with off:
             loss = loss_fn()
-        if wait:
-            off.wait()  # every write lands first: backward then reads everything back
+            if wait:
+                # Every write lands before backward begins (after it, adaptive keep would cancel
+                # what is still queued: on a busy machine that can be everything), so backward
+                # reads everything back.
+                off.wait()
     loss.backward()
     grads = [p.grad for p in model.parameters()] + [x.grad for x in inputs]
     return loss.detach(), [None if g is None else g.clone() for g in grads]
