@@ -43,6 +43,25 @@ def _settled(off, off_dir):
     return s
 
 
+def _interrupt_submit(monkeypatch, nth: int, *, after_handover: bool) -> dict:
+    """Makes the ``nth`` write submitted on the main thread (where a SIGINT lands; completions on
+    I/O threads submit writes too) raise KeyboardInterrupt: before the backend takes it, or
+    after. Returns the count of main-thread submissions."""
+    real = PosixBackend.submit_write
+    calls = {"n": 0}
+
+    def submit(self, *args, **kwargs):
+        fut = real(self, *args, **kwargs) if after_handover else None
+        if threading.current_thread() is threading.main_thread():
+            calls["n"] += 1
+            if calls["n"] == nth:
+                raise KeyboardInterrupt
+        return fut if after_handover else real(self, *args, **kwargs)
+
+    monkeypatch.setattr(PosixBackend, "submit_write", submit)
+    return calls
+
+
 def test_interrupt_while_a_write_is_handed_over(off_dir, monkeypatch):
     """The reported hang: a KeyboardInterrupt raised while a write was being submitted left the
     in-flight count at 1, and wait() and close() waited forever."""
@@ -50,18 +69,7 @@ def test_interrupt_while_a_write_is_handed_over(off_dir, monkeypatch):
     x = torch.randn(256, 256)
     base = step(model, lambda: model(x).sum(), None)
     off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0)
-    real = PosixBackend.submit_write
-    calls = {"n": 0}
-
-    def submit(self, *args, **kwargs):
-        # A SIGINT reaches the main thread only (completions on I/O threads submit writes too).
-        if threading.current_thread() is threading.main_thread():
-            calls["n"] += 1
-            if calls["n"] == 3:
-                raise KeyboardInterrupt
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(PosixBackend, "submit_write", submit)
+    calls = _interrupt_submit(monkeypatch, 3, after_handover=False)
     with pytest.raises(KeyboardInterrupt):
         with off:
             model(x).sum()
@@ -77,18 +85,7 @@ def test_interrupt_after_the_handover_retires_that_extent(off_dir, monkeypatch):
     model = _model()
     x = torch.randn(256, 256)
     off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0)
-    real = PosixBackend.submit_write
-    calls = {"n": 0}
-
-    def submit(self, *args, **kwargs):
-        fut = real(self, *args, **kwargs)
-        if threading.current_thread() is threading.main_thread():  # where a SIGINT lands
-            calls["n"] += 1
-            if calls["n"] == 2:
-                raise KeyboardInterrupt  # the write is on its way; no one records it
-        return fut
-
-    monkeypatch.setattr(PosixBackend, "submit_write", submit)
+    _interrupt_submit(monkeypatch, 2, after_handover=True)  # the write is on its way; no one records it
     with pytest.raises(KeyboardInterrupt):
         with off:
             model(x).sum()

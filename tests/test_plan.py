@@ -410,3 +410,11 @@ def test_plan_vs_bench_smoke(tmp_path, capsys):
         assert record["predicted_written_bytes"] > 0 and record["measured"]["written_bytes"] > 0
         assert record["inputs"]["drive_gbps"] == pytest.approx(0.05)
         assert record["command"].startswith("ssdtrain plan --layers 4 ")
+
+
+def test_the_planner_uses_the_write_budgets_thresholds():
+    """plan_drive keeps its own copy of the budget's thresholds (the planner imports no torch):
+    they must be the engine's."""
+    from ssdtrain import plan_drive, schedule
+
+    assert (plan_drive.DRIVE_BOUND, plan_drive.MIN_DRIVE_STALL) == (schedule.DRIVE_BOUND, schedule.MIN_DRIVE_STALL)
