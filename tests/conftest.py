@@ -1,4 +1,5 @@
 import os
+import tempfile
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -9,6 +10,9 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# cuFile (behind kvikio) logs to ./cufile.log unless told where: keep the checkout clean.
+os.environ.setdefault("CUFILE_LOGFILE_PATH", os.path.join(tempfile.gettempdir(), "ssdtrain-tests-cufile.log"))
 
 
 @pytest.fixture
