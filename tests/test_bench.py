@@ -14,7 +14,7 @@ import ssdtrain
 from ssdtrain import bench
 from ssdtrain.bench import _device, _measure, command, drive, modes, runner
 from ssdtrain.bench._progress import Progress
-from ssdtrain.bench.models import GPT, GPTConfig
+from ssdtrain.bench.models import GPT, GPTConfig, preset
 
 KEYS = ("step_time_s", "forward_s", "backward_s", "peak_saved_bytes", "peak_rss_bytes", "written_bytes",
         "read_bytes", "stall_s")
@@ -234,6 +234,26 @@ def test_device_option_and_its_errors(tmp_path, capsys, monkeypatch):
             _device.resolve_device(bad)
     with pytest.raises(ValueError, match="dtype must be one of"):
         runner.run(runner.BenchArgs(model=GPTConfig(), batch=1, steps=1, dtype="float16"))
+
+
+def test_a_gpu_gets_the_gpu_preset_sized_for_a_24_gib_card(monkeypatch):
+    assert command.preset_name(True, "cuda") == "quick"  # --quick wins, and resolves nothing
+    assert command.preset_name(False, "cpu") == "default"
+    cpu = command.args_from_cli(command._parser().parse_args(["--device", "cpu"]))
+    assert cpu.model == preset("default") and cpu.probe_bytes == 256 << 20
+    monkeypatch.setattr(command, "resolve_device", lambda name: torch.device("cuda", 0))
+    assert command.preset_name(False, "auto") == "gpu"
+    gpu = command.args_from_cli(command._parser().parse_args(["--layers", "2"]))
+    assert gpu.model == preset("gpu").replace(layers=2) and gpu.probe_bytes == 1 << 30 and gpu.batch == 4
+    # Weights, gradients and AdamW's two moments in bfloat16 (8 bytes a parameter), plus the
+    # activations a layer saves at batch 4 (at most ~40 bytes per token and hidden unit in
+    # bfloat16, with fused attention) and the logits: under 20 GiB, so it runs on a 24 GiB card.
+    cfg = preset("gpu")
+    with torch.device("meta"):
+        params = sum(p.numel() for p in GPT(cfg).parameters())
+    tokens = 4 * cfg.seq
+    need = 8 * params + cfg.layers * 40 * tokens * cfg.hidden + 6 * tokens * cfg.vocab
+    assert 0.5e9 < params < 1e9 and need < 20 * (1 << 30), (params, need / (1 << 30))
 
 
 def test_gpu_clock_and_memory_calls_in_order(monkeypatch):

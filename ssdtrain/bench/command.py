@@ -7,13 +7,14 @@ import argparse
 import json
 import sys
 
+from ssdtrain.bench._device import resolve_device
 from ssdtrain.bench.drive import THROTTLES
 from ssdtrain.bench.models import preset
 from ssdtrain.bench.modes import MODES
 from ssdtrain.bench.report import format_table, plot
 from ssdtrain.bench.runner import DEVICES, DTYPES, BenchArgs, run
 
-__all__ = ["args_from_cli", "main"]
+__all__ = ["args_from_cli", "main", "preset_name"]
 
 
 def _size(text: str) -> int:
@@ -33,11 +34,13 @@ def _parser() -> argparse.ArgumentParser:
         "nothing (its hooks' cost only).",
     )
     ap.add_argument("--quick", action="store_true", help="tiny model and few steps (seconds)")
-    ap.add_argument("--layers", type=int)
-    ap.add_argument("--hidden", type=int)
-    ap.add_argument("--heads", type=int)
-    ap.add_argument("--seq", type=int)
-    ap.add_argument("--vocab", type=int)
+    shape = ap.add_argument_group(
+        "model shape", "each overrides the preset's: " + "; ".join(
+            f"{name} ({when}) {c.layers} layers, hidden {c.hidden}, {c.heads} heads, seq {c.seq}, vocab {c.vocab}"
+            for name, when, c in (("default", "on the CPU", preset("default")), ("gpu", "on a GPU", preset("gpu")),
+                                  ("quick", "--quick", preset("quick")))))
+    for flag in ("--layers", "--hidden", "--heads", "--seq", "--vocab"):
+        shape.add_argument(flag, type=int)
     ap.add_argument("--batch", type=int, help="sequences per step (default 4; --quick 8)")
     ap.add_argument("--steps", type=int, help="timed steps per mode after one warm-up (default 3)")
     ap.add_argument("--device", default="auto", metavar="{" + ",".join(DEVICES) + ",cuda:N}",
@@ -64,8 +67,18 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def preset_name(quick: bool, device: str) -> str:
+    """The model preset when no shape is given: ``quick`` with ``--quick``, else ``gpu`` where
+    ``device`` resolves to a CUDA device, else ``default``."""
+    if quick:
+        return "quick"
+    return "gpu" if resolve_device(device).type == "cuda" else "default"
+
+
 def args_from_cli(ns: argparse.Namespace) -> BenchArgs:
-    base = preset("quick" if ns.quick else "default")
+    name = preset_name(ns.quick, ns.device)
+    gpu = name == "gpu"
+    base = preset(name)
     model = base.replace(layers=ns.layers, hidden=ns.hidden, heads=ns.heads, seq=ns.seq, vocab=ns.vocab,
                          flash=False if ns.naive_attention else None)
     return BenchArgs(
@@ -80,7 +93,8 @@ def args_from_cli(ns: argparse.Namespace) -> BenchArgs:
         throttle=ns.throttle,
         work_dir=ns.work_dir,
         data=ns.data,
-        probe_bytes=ns.probe_size or ((64 << 20) if ns.quick else (256 << 20)),
+        # An NVMe drive behind a GPU moves 256 MiB in tens of milliseconds: probe it for longer.
+        probe_bytes=ns.probe_size or ((64 << 20) if ns.quick else (1 << 30) if gpu else (256 << 20)),
         seed=ns.seed,
         progress=False if ns.no_progress else None,
         keep_timeline=bool(ns.plot),
