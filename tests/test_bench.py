@@ -43,6 +43,11 @@ def _check(text, result, backend):
         for key in KEYS:
             assert key in ms[mode], (mode, key)
         assert ms[mode]["step_time_s"] > 0
+        # Per step, the figures the medians and means are taken of.
+        steps = ms[mode]["steps"]
+        assert [s["seconds"] for s in steps] == ms[mode]["step_times_s"]
+        assert statistics.median(s["forward"] for s in steps) == ms[mode]["forward_s"]
+        assert round(statistics.fmean(s["written"] for s in steps)) == ms[mode]["written_bytes"]
     base, rec, off, rpo, soc = (ms[m] for m in ("baseline", "recompute", "offload", "recompute+offload", "save_on_cpu"))
     assert base["written_bytes"] == base["read_bytes"] == 0 and base["stall_s"] == 0
     assert result["model"]["device"] == "cpu" and result["model"]["dtype"] == "float32"  # the CPU's default

@@ -285,6 +285,9 @@ def _summarize(steps: dict[str, list[Step]], memory: dict, drive: dict, limit: D
             "read_gbps": read / t / GB,
             "stall_s": statistics.median(s.stall for s in ss),
             "losses": [s.loss for s in ss],
+            # Each timed step as measured (seconds, forward, backward, wait, bytes, stall): the
+            # figures above are medians and means of these.
+            "steps": [asdict(s) for s in ss],
         }
     bw, br = drive_rates(drive, limit)
     for name, row in out.items():
