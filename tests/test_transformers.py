@@ -8,7 +8,9 @@ same weights and seed, and compares the final parameters with ``torch.equal``.
 from __future__ import annotations
 
 import copy
+import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -308,3 +310,33 @@ def test_train_twice_gets_a_fresh_offloader(llama, tmp_path):
     assert 0 < cb.stats().written_bytes
     assert first > 0
     assert not model._forward_hooks and not model._forward_pre_hooks
+
+
+@pytest.mark.slow
+def test_trainer_under_ddp_two_ranks(tmp_path):
+    """The Trainer wraps the model in DDP itself (torchrun, 2 ranks, gloo): with the callback each
+    rank's parameters are ``torch.equal`` to those without it, every micro-batch's forward was
+    offloaded, and each rank wrote and read back its own activations."""
+    _hf()
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    worker = os.path.join(os.path.dirname(__file__), "_trainer_ddp_worker.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", worker,
+           "--out", str(tmp_path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # a crashed rank leaves its peer in a collective
+        out, _ = proc.communicate()
+        pytest.fail(f"timed out:\n{out[-4000:]}")
+    assert proc.returncode == 0, out[-4000:]
+    for rank in range(2):
+        rep = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert rep["ddp"] and rep["trained"], (rank, rep)
+        assert rep["differ"] == [], f"rank {rank}: parameters differ: {rep['differ']}"
+        assert rep["entries"] == [True] * (STEPS * ACCUM), (rank, rep["entries"])
+        assert rep["written_bytes"] > 0 and rep["read_bytes"] > 0, (rank, rep)
+        assert rep["left_behind"] == [], (rank, rep["left_behind"])
