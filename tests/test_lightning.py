@@ -8,6 +8,7 @@ parameters with ``torch.equal``.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import torch
 
 import ssdtrain
 from _recipes_worker import SEQ, VOCAB, TinyGPT
+from _torchrun import gloo_or_skip, torchrun
 from ssdtrain.integrations import lightning as ssd_lightning
 
 # lightning 2.6 still uses torch's LeafSpec, which torch 2.13 deprecates.
@@ -238,3 +240,20 @@ def test_a_failing_step_closes_and_restores(gpt, tmp_path):
     assert cb.offloader is None
     assert "training_step" not in vars(module)
     assert cb.stats().written_bytes > 0  # the first step's
+
+
+@pytest.mark.slow
+def test_ddp_strategy_two_ranks(tmp_path):
+    """``strategy="ddp"`` under torchrun (2 ranks, gloo): with the callback each rank's parameters
+    are ``torch.equal`` to those without it, every ``training_step`` was offloaded, and each rank
+    wrote its own activations and left no file."""
+    _pl()
+    gloo_or_skip()
+    torchrun(os.path.join(os.path.dirname(__file__), "_lightning_ddp_worker.py"), "--out", str(tmp_path))
+    for rank in range(2):
+        rep = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert rep["strategy"] == "DDPStrategy" and rep["trained"], (rank, rep)
+        assert rep["differ"] == [], f"rank {rank}: parameters differ: {rep['differ']}"
+        assert rep["entries"] == [True] * STEPS, (rank, rep["entries"])
+        assert rep["written_bytes"] > 0, (rank, rep)
+        assert rep["left_behind"] == [], (rank, rep["left_behind"])

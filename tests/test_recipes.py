@@ -10,9 +10,6 @@ import contextlib
 import copy
 import json
 import os
-import signal
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 import ssdtrain
 from _recipes_worker import SEQ, STEPS, VOCAB, TinyGPT
+from _torchrun import gloo_or_skip, torchrun
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_recipes_worker.py")
 
@@ -70,33 +68,14 @@ def _offloaded(off):
 
 
 # -- DDP and FSDP2: 2 ranks, gloo ----------------------------------------------------------------------
-def _run(cmd, timeout):
-    """Runs ``cmd`` in its own process group; kills the whole group on timeout (a rank that
-    crashed leaves its peer waiting in a collective)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} timed out after {timeout}s:\n{out[-4000:]}")
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-4000:]}"
-    return out
-
-
 @pytest.mark.slow
 def test_ddp_and_fsdp2_two_ranks(tmp_path):
     pytest.importorskip("torch.distributed.fsdp")
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
+    gloo_or_skip()
     storage, out = tmp_path / "storage", tmp_path / "out"
     storage.mkdir()
     out.mkdir()
-    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", WORKER,
-          "--modes", "ddp", "fsdp2", "--storage", str(storage), "--out", str(out), "--timeout", "120"],
-         timeout=240)
+    torchrun(WORKER, "--modes", "ddp", "fsdp2", "--storage", str(storage), "--out", str(out), "--timeout", "120")
     for rank in range(2):
         rep = json.loads((out / f"rank{rank}.json").read_text())
         for mode in ("ddp", "fsdp2"):

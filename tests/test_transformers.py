@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -18,6 +17,7 @@ import pytest
 import torch
 
 import ssdtrain
+from _torchrun import gloo_or_skip, torchrun
 from ssdtrain.integrations import transformers as ssd_transformers
 
 SEQ = 32
@@ -318,21 +318,8 @@ def test_trainer_under_ddp_two_ranks(tmp_path):
     rank's parameters are ``torch.equal`` to those without it, every micro-batch's forward was
     offloaded, and each rank wrote and read back its own activations."""
     _hf()
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    worker = os.path.join(os.path.dirname(__file__), "_trainer_ddp_worker.py")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", worker,
-           "--out", str(tmp_path)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # a crashed rank leaves its peer in a collective
-        out, _ = proc.communicate()
-        pytest.fail(f"timed out:\n{out[-4000:]}")
-    assert proc.returncode == 0, out[-4000:]
+    gloo_or_skip()
+    torchrun(os.path.join(os.path.dirname(__file__), "_trainer_ddp_worker.py"), "--out", str(tmp_path))
     for rank in range(2):
         rep = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert rep["ddp"] and rep["trained"], (rank, rep)
