@@ -210,13 +210,17 @@ class WriteQueue:
                 return
             # The entry's state first, the flight record last: an interrupt in between (this runs
             # inline on the main thread for a write done before its callback was added) leaves
-            # the record, and heal() finishes it again, idempotently.
-            if err is None:
+            # the record, and heal() finishes it again, idempotently: the entry has left WRITING
+            # (or, dead, its extent is gone), so nothing is counted twice.
+            if e.state is not State.WRITING and not (e.state is State.FREED and e.extent is not None):
+                pass  # settled already: only the record is left to drop
+            elif err is None:
+                path = e.extent.path_index if e.extent is not None else None  # a dead entry's goes now
                 if self._cache.written(e, fut.result()):
                     self.completed.append(e)
                 self._budget.written(e.nbytes)
-                if self._endurance is not None and e.extent is not None:
-                    self._endurance.record(e.extent.path_index, e.nbytes)
+                if self._endurance is not None and path is not None:
+                    self._endurance.record(path, e.nbytes)
             elif self._cache.write_failed(e):
                 self._failures.failed(err)
             if self._flight.pop(e.id, None) is not None:

@@ -6,9 +6,14 @@ import math
 import threading
 
 import pytest
+import torch
 
+import ssdtrain
 from ssdtrain import endurance
+from ssdtrain.config import OffloadConfig
 from ssdtrain.endurance import EnduranceMonitor
+from ssdtrain.store.posix import PosixBackend
+from ssdtrain.store.throttle import ThrottledBackend
 
 GB = 10**9
 TB = 10**12
@@ -112,3 +117,24 @@ def test_record_is_thread_safe(tmp_path):
 def test_bad_arguments(tmp_path, kw):
     with pytest.raises(ValueError):
         EnduranceMonitor([tmp_path], **kw)
+
+
+def test_the_offloader_counts_every_byte_written_also_of_saves_that_died_meanwhile(tmp_path):
+    """A save whose tensors died while its write was in flight (a forward without backward) still
+    wore the drive: the projection counts what the offloader wrote, all of it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU())
+                                  for _ in range(6)])
+    x = torch.randn(512, 256)
+    # 50 MB/s: each forward's ~6 MiB are still being written when its graph dies.
+    store = ThrottledBackend(PosixBackend(OffloadConfig(path=str(tmp_path))), write_bps=50e6, read_bps=1e9)
+    off = ssdtrain.Offloader(model, store=store, min_bytes=0)
+    for _ in range(3):
+        with off:
+            model(x).sum()  # dropped at once: no backward
+    off.wait()
+    s = off.stats()
+    assert s.written_bytes > 0
+    assert [p["written_bytes"] for p in s.endurance["paths"]] == [s.written_bytes]
+    off.close()
+    store.close()

@@ -231,3 +231,45 @@ def test_a_step_whose_exit_never_ran_is_left_by_the_next(off_dir):
     off2.__enter__()
     off2.close()             # close() pops them too (the hooks are this thread's)
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+def test_a_write_settled_again_by_heal_is_counted_once(off_dir):
+    """A completion cut short after it settled the entry, before it dropped its flight record:
+    heal() finishes it again (Note [an interrupt never unbalances a count]), and counts nothing
+    twice: bytes written, writes, the drive's endurance figures."""
+    from ssdtrain.cache import State
+
+    model = _model()
+    x = torch.randn(256, 256)
+    base = step(model, lambda: model(x).sum(), None)
+    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1234)  # step()'s seed
+    with off:
+        loss = model(x).sum()
+        off.wait()
+    before = off.stats()
+    e = next(e for e in off._entries.values() if e.state in (State.WRITTEN, State.ON_DISK))
+
+    class Done:  # the write's future: done, no error
+        def done(self):
+            return True
+
+        def exception(self):
+            return None
+
+        def result(self):
+            return e.checksum
+
+    w = off._writer
+    w._flight[e.id] = (e, Done())  # the record the cut-short completion left
+    w._writing_bytes += e.nbytes
+    w.heal()
+    after = off.stats()
+    assert not w._flight and w._writing_bytes == 0
+    assert (after.written_bytes, after.writes) == (before.written_bytes, before.writes)
+    assert [p["written_bytes"] for p in after.endurance["paths"]] == [p["written_bytes"] for p in before.endurance["paths"]]
+    loss.backward()
+    assert off.stats().read_bytes > 0  # the entry settled again was read back, exact
+    assert_same(base, (loss.detach(), [p.grad for p in model.parameters()]))
+    _settled(off, off_dir)
