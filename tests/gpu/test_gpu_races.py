@@ -139,6 +139,10 @@ def test_a_buffer_used_on_another_stream_is_not_reused_early(sleep):
     torch.cuda.synchronize()
 
 
+# The refused capture records no kernel (the first save is refused before addmm runs), so torch's
+# capture_end warns "The CUDA Graph is empty" (TORCH_WARN in CUDAGraph::capture_end, torch 2.11);
+# under pyproject's filterwarnings=error that warning would replace the RuntimeError under test.
+@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty:UserWarning")
 def test_offloading_under_cuda_graph_capture_is_refused(tmp_path):
     # Note [no offloading inside CUDA graph capture]
     model = torch.nn.Linear(256, 256, device=CUDA)
