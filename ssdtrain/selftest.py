@@ -122,8 +122,10 @@ def exact_gradients(backend: str, path: str, *, device: str = "cpu", dtype: str 
         torch.manual_seed(1234)  # the same dropout masks in every run
         with off if off is not None else contextlib.nullcontext():
             loss = model(x).float().square().mean()
-        if off is not None:
-            off.wait()  # every write lands: backward reads it all back
+            if off is not None:
+                # Inside the block: every write lands and backward reads it all back (after the
+                # block, writes still queued are kept instead; a GPU's forward outruns them).
+                off.wait()
         loss.backward()
         return loss.detach(), [p.grad.clone() for p in model.parameters()]
 

@@ -130,7 +130,8 @@ def test_io_threads_create_no_context_on_another_gpu(tmp_path):
             off = ssdtrain.Offloader(m, path={str(tmp_path)!r}, backend=backend, min_bytes=0)
             with off:
                 loss = m(x).square().mean()
-            off.wait(); loss.backward(); off.close()
+                off.wait()  # inside: what is still queued when the block ends is kept
+            loss.backward(); off.close()
             assert off.stats().written_bytes > 0
         print("context on cuda:0" if active(0) else "clean")
     """)

@@ -136,8 +136,8 @@ def test_offloading_lowers_device_memory(backend, tmp_path):
         base = torch.cuda.memory_allocated()
         with off if off is not None else contextlib.nullcontext():
             loss = model(x).square().mean()
-        if off is not None:
-            off.wait()
+            if off is not None:
+                off.wait()  # inside: what is still queued when the block ends is kept
         torch.cuda.synchronize()
         held = torch.cuda.memory_allocated() - base
         loss.backward()
@@ -171,7 +171,7 @@ def test_two_gpus_each_on_its_own_device(tmp_path):
         try:
             with off:
                 loss = model(x).square().mean()
-            off.wait()
+                off.wait()  # inside: what is still queued when the block ends is kept
             loss.backward()
         finally:
             off.close()
