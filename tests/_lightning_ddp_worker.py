@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import warnings
 
+import _rank_report
 import lightning.pytorch as pl
 import torch
+from _rank_report import counted_entries
 from _recipes_worker import SEQ, VOCAB, TinyGPT
 
-import ssdtrain
 from ssdtrain.integrations.lightning import OffloadCallback
 
 STEPS, BATCH = 3, 2
@@ -34,6 +34,10 @@ class LitGPT(pl.LightningModule):
         self.model = model
 
     def training_step(self, batch, batch_idx):
+        tokens, targets = batch
+        return self.model(tokens, targets)
+
+    def validation_step(self, batch, batch_idx):
         tokens, targets = batch
         return self.model(tokens, targets)
 
@@ -65,33 +69,13 @@ def main() -> None:
     gpt = TinyGPT()
     start = {"model." + n: p.detach().clone() for n, p in gpt.named_parameters()}  # LitGPT's names
 
-    entries = []
-    enter = ssdtrain.Offloader.__enter__
-
-    def counting(self):
-        entries.append(torch.is_grad_enabled())
-        return enter(self)
-
     want, _ = _fit(LitGPT(copy.deepcopy(gpt)), os.path.join(ns.out, "base"), [])
     act = os.path.join(ns.out, f"act{rank}")
     cb = OffloadCallback(path=act, min_bytes=0)
-    ssdtrain.Offloader.__enter__ = counting
-    try:
+    with counted_entries() as entries:
         got, strategy = _fit(LitGPT(copy.deepcopy(gpt)), os.path.join(ns.out, "off"), [cb])
-    finally:
-        ssdtrain.Offloader.__enter__ = enter
-    s = cb.stats()
-    report = {
-        "strategy": strategy,
-        "differ": [n for n in want if not torch.equal(got[n], want[n])],
-        "trained": any(not torch.equal(want[n], start[n]) for n in want),
-        "entries": entries,
-        "written_bytes": s.written_bytes,
-        "read_bytes": s.read_bytes,
-        "left_behind": [f for _, _, fs in os.walk(act) for f in fs],
-    }
-    with open(os.path.join(ns.out, f"rank{rank}.json"), "w") as f:
-        json.dump(report, f)
+    _rank_report.write(ns.out, want=want, got=got, start=start, entries=entries, stats=cb.stats(), act_dir=act,
+                       strategy=strategy)
 
 
 if __name__ == "__main__":

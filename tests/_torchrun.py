@@ -10,11 +10,10 @@ import sys
 import pytest
 
 
-def torchrun(worker: str, *args: str, timeout: float = 240) -> str:
-    """``python -m torch.distributed.run --standalone --nproc_per_node=2 worker *args`` in its own
-    process group; returns its output. A timeout kills the whole group (a rank that crashed
-    leaves its peer waiting in a collective) and fails the test, as does a non-zero exit."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", worker, *args]
+def run_group(cmd: list[str], timeout: float = 240) -> str:
+    """Runs ``cmd`` in its own process group; returns its output. A timeout kills the whole group
+    (a rank that crashed leaves its peer waiting in a collective) and fails the test, as does a
+    non-zero exit."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
@@ -26,6 +25,13 @@ def torchrun(worker: str, *args: str, timeout: float = 240) -> str:
         pytest.fail(f"{' '.join(cmd)} timed out after {timeout}s:\n{out[-4000:]}")
     assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-4000:]}"
     return out
+
+
+def torchrun(worker: str, *args: str, timeout: float = 240) -> str:
+    """``python -m torch.distributed.run --standalone --nproc_per_node=2 worker *args`` (see
+    :func:`run_group`)."""
+    return run_group([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                      worker, *args], timeout)
 
 
 def gloo_or_skip() -> None:

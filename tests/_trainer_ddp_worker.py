@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 
+import _rank_report
 import torch
 import transformers
+from _rank_report import counted_entries
 
-import ssdtrain
 from ssdtrain.integrations.transformers import OffloadCallback
 
 SEQ, STEPS, ACCUM, BATCH = 32, 3, 2, 2
@@ -57,33 +57,13 @@ def main() -> None:
     llama = transformers.LlamaForCausalLM(config)
     start = {n: p.detach().clone() for n, p in llama.named_parameters()}
 
-    entries = []
-    enter = ssdtrain.Offloader.__enter__
-
-    def counting(self):
-        entries.append(torch.is_grad_enabled())
-        return enter(self)
-
     want, _ = _train(copy.deepcopy(llama), os.path.join(ns.out, f"base{rank}"), [])
     act = os.path.join(ns.out, f"act{rank}")
     cb = OffloadCallback(path=act, min_bytes=0)
-    ssdtrain.Offloader.__enter__ = counting
-    try:
+    with counted_entries() as entries:
         got, wrapped = _train(copy.deepcopy(llama), os.path.join(ns.out, f"off{rank}"), [cb])
-    finally:
-        ssdtrain.Offloader.__enter__ = enter
-    s = cb.stats()
-    report = {
-        "ddp": wrapped,
-        "differ": [n for n in want if not torch.equal(got[n], want[n])],
-        "trained": any(not torch.equal(want[n], start[n]) for n in want),
-        "entries": entries,
-        "written_bytes": s.written_bytes,
-        "read_bytes": s.read_bytes,
-        "left_behind": [f for _, _, fs in os.walk(act) for f in fs],
-    }
-    with open(os.path.join(ns.out, f"rank{rank}.json"), "w") as f:
-        json.dump(report, f)
+    _rank_report.write(ns.out, want=want, got=got, start=start, entries=entries, stats=cb.stats(), act_dir=act,
+                       ddp=wrapped)
 
 
 if __name__ == "__main__":

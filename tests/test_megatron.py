@@ -13,7 +13,6 @@ import contextlib
 import gc
 import json
 import os
-import signal
 import subprocess
 import sys
 import warnings
@@ -22,6 +21,7 @@ import pytest
 import torch
 
 import ssdtrain
+from _torchrun import run_group
 from ssdtrain.config import field_names
 from ssdtrain.integrations import megatron as ssd_megatron
 
@@ -265,22 +265,6 @@ def test_deallocated_output_saved_inside_no_offload(schedules, tmp_path):
 
 
 # -- the three schedules, end to end ---------------------------------------------------------------
-def _run(cmd, timeout):
-    """Runs ``cmd`` in its own process group; kills the whole group on timeout (a stage that
-    crashed leaves its peer waiting in a collective forever)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} timed out after {timeout}s:\n{out[-4000:]}")
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-4000:]}"
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["none", "1f1b", "interleaved"])
 def test_schedule_bit_identical_with_offload(schedule, schedules, tmp_path):
@@ -292,7 +276,7 @@ def test_schedule_bit_identical_with_offload(schedule, schedules, tmp_path):
         cmd = [sys.executable, *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
-    _run(cmd, timeout=240)
+    run_group(cmd, timeout=240)
     ranks = 1 if schedule == "none" else 2
     reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
     for rep in reports:
