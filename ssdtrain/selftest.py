@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Check", "TinyTransformer", "exact_gradients", "overlap_ratio", "run", "main"]
+__all__ = ["Check", "TinyTransformer", "Undecided", "exact_gradients", "overlap_ratio", "run", "main"]
 
 OVERLAP_LIMIT = 1.5
 """A GEMM loop may take at most this many times as long with offloading I/O running beside it."""
