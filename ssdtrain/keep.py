@@ -7,6 +7,8 @@ module hooks that tell pack where it is (which block runs; whether an opted-out 
 from __future__ import annotations
 
 import contextlib
+import sys
+import types
 from collections.abc import Iterator, Mapping
 from functools import partial
 from typing import Any
@@ -34,6 +36,26 @@ def resolve_config(config: Any, overrides: dict[str, Any]) -> tuple[OffloadConfi
     return (OffloadConfig.from_dict(overrides) if config is None else config.replace(**overrides)), objects
 
 
+# Note [our hooks are never traced]: torch.compile's frame evaluation may try to compile any
+# Python frame that runs while it is installed, the pack and unpack hooks that autograd calls
+# included: torch 2.11 does, around a graph break in a compiled forward. It then traces locks,
+# os.getpid and I/O it cannot follow, warns and breaks the graph at every save. Once dynamo is
+# loaded (a process that has not imported it compiles nothing), the hooks pushed are wrapped in
+# ``torch.compiler.disable``: they always run as the Python they are (about 0.5 us a call).
+_UNTRACED: dict[Any, Any] = {}
+
+
+def untraced(hook: Any) -> Any:
+    """The bound method ``hook`` as it is pushed (Note [our hooks are never traced])."""
+    if "torch._dynamo" not in sys.modules:
+        return hook
+    fn = hook.__func__
+    wrapped = _UNTRACED.get(fn)
+    if wrapped is None:
+        wrapped = _UNTRACED[fn] = torch.compiler.disable(fn)
+    return types.MethodType(wrapped, hook.__self__)
+
+
 def enter_hooks(pack: Any, unpack: Any, active: list, scope: Any) -> None:
     """Pushes saved-tensor hooks and records ``[pack, scope]`` in ``active``.
 
@@ -55,8 +77,8 @@ def enter_hooks(pack: Any, unpack: Any, active: list, scope: Any) -> None:
         raise
 
 
-def leave_stale_steps(pack: Any, active: list) -> list:
-    """Pops the hooks of steps (``with off:``) still open on top; returns their scopes.
+def leave_stale_steps(owner: Any, active: list) -> list:
+    """Pops the hooks of ``owner``'s steps (``with off:``) still open on top; returns their scopes.
 
     Note [an interrupt never unbalances a count]: a Ctrl-C as ``Offloader.__exit__`` (or the
     call in it that pops the hooks) began leaves the hooks pushed and the step open, for good.
@@ -64,9 +86,9 @@ def leave_stale_steps(pack: Any, active: list) -> list:
     ``close()``, is such a one.
     """
     left = []
-    while active and active[-1][0] == pack and active[-1][1].stats_id is None:
+    while active and getattr(active[-1][0], "__self__", None) is owner and active[-1][1].stats_id is None:
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        if top is None or top[0] != pack:
+        if top is None or top[0] != active[-1][0]:
             break
         torch._C._autograd._pop_saved_tensors_default_hooks()
         left.append(active.pop()[1])

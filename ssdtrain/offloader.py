@@ -118,7 +118,7 @@ class Offloader:
         return self
 
     def _leave_stale_steps(self) -> None:
-        for scope in keep.leave_stale_steps(self._pack, self._scopes.active):
+        for scope in keep.leave_stale_steps(self, self._scopes.active):
             with self._lock:
                 self._scopes.forget_if_empty(scope)
 
@@ -128,7 +128,7 @@ class Offloader:
             scope = self._deactivate(raise_errors=exc_type is None)
         except BaseException:
             if len(self._scopes.active) == depth:  # interrupted before the hooks were popped
-                keep.leave_stale_steps(self._pack, self._scopes.active)
+                keep.leave_stale_steps(self, self._scopes.active)
             raise
         if exc_type is None:
             # Forward is over and backward comes next: keep what is still queued, start reading.
@@ -232,7 +232,7 @@ class Offloader:
         self._keep_depth[0] = 0
         with self._lock:
             self._open_scope(scope)
-        keep.enter_hooks(self._pack, self._unpack, self._scopes.active, scope)
+        keep.enter_hooks(keep.untraced(self._pack), keep.untraced(self._unpack), self._scopes.active, scope)
 
     def _open_scope(self, scope: Scope) -> None:
         """Under the lock: a forward begins. Another forward comes before their backward: the

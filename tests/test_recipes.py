@@ -160,6 +160,32 @@ def test_torch_compile(tmp_path, deterministic):
     _assert_equal(got, want)
 
 
+def test_the_hooks_are_never_traced_by_dynamo(tmp_path):
+    """Note [our hooks are never traced]: once dynamo is loaded, the pack and unpack hooks pushed
+    are ``torch.compiler.disable``d (torch 2.11 traced them around a graph break, and warned on
+    os.getpid at every save); the stale-step cleanup still knows them as the offloader's."""
+    import torch._dynamo  # noqa: F401  (what torch.compile loads)
+
+    off = ssdtrain.Offloader(path=str(tmp_path), min_bytes=0)
+    x = torch.randn(64, 64, requires_grad=True)
+    with off:
+        pack, unpack = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        assert getattr(pack, "_torchdynamo_disable", False) and getattr(unpack, "_torchdynamo_disable", False)
+        assert pack.__self__ is off and pack.__wrapped__ is ssdtrain.Offloader._pack
+        y = (x * 2).tanh().sum()
+        off.wait()  # written (through the hooks pushed), then read back
+    y.backward()
+    want = x.grad
+    x.grad = None
+    (x * 2).tanh().sum().backward()
+    assert torch.equal(want, x.grad) and off.stats().written_bytes > 0
+    off.__enter__()  # a step whose __exit__ never ran (a Ctrl-C) is left by the next one
+    with off:
+        pass
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    off.close()
+
+
 class _MLP(torch.nn.Module):
     def __init__(self):
         super().__init__()
