@@ -1,8 +1,9 @@
 """One pipeline stage of the Megatron-Core integration test (run by tests/test_megatron.py).
 
 Trains a tiny GPTModel (local layer spec) for a few steps with one of Megatron-Core's schedules,
-four times from the same initial weights and seed: unpatched; patched with everything offloaded
-(``min_bytes=0``); patched with everything kept in memory; and after ``unpatch()``. Writes
+five times from the same initial weights and seed: unpatched; patched with everything offloaded
+(``min_bytes=0``); patched with everything kept in memory; patched with a 1 MB/s drive (a
+throttled posix store); and after ``unpatch()``. Writes
 ``rank<N>.json`` with exact comparisons (``torch.equal``) of the losses and of every parameter's
 gradient at every step, the bytes this stage wrote and read, whether each backward was announced
 to the offloader (checked from below the patch by :class:`Spy`), whether files were left behind,
@@ -311,10 +312,29 @@ def main(argv=None):
             schedules.forward_step is originals[0] and schedules.backward_step is originals[1]
         )
 
+        # 3. A drive far slower than the stage (1 MB/s each way): the write budget and adaptive
+        #    keep decide per micro-batch what goes, and gradients stay exact.
+        import ssdtrain.offloader as offloader_module
+        from ssdtrain.store.throttle import ThrottledBackend
+
+        real_make = offloader_module.make_backend
+        offloader_module.make_backend = lambda cfg: ThrottledBackend(real_make(cfg), write_bps=1e6, read_bps=1e6)
+        try:
+            with ssd_megatron.patch(path=storage, min_bytes=0, backend="posix") as h3:
+                slow = train(chunks, initial, args.schedule)
+                h3.offloader.wait()
+                s3 = h3.offloader.stats()
+        finally:
+            offloader_module.make_backend = real_make
+        report["slow_drive"] = {k: getattr(s3, k) for k in (
+            "written_bytes", "read_bytes", "kept_bytes", "budget_kept_bytes", "adaptive_keep_bytes",
+            "cancelled_writes", "forwarded_bytes", "stall_seconds", "unique_bytes")}
+        checks["slow_drive_no_files_left"] = files_under(storage) == []
+
         after = train(chunks, initial, args.schedule)
 
     for name, other in (("patched_equals_plain", patched), ("kept_equals_plain", kept),
-                        ("after_unpatch_equals_plain", after)):
+                        ("slow_drive_equals_plain", slow), ("after_unpatch_equals_plain", after)):
         checks[name], notes[name] = same(plain, other)
     report["losses"] = [x.item() for x in plain[0]]
 
