@@ -51,12 +51,20 @@ class _CudaToCpu(TorchFunctionMode):
 @contextlib.contextmanager
 def cpu_megatron() -> Iterator[None]:
     """Lets Megatron-Core's schedules, GPTModel (local spec) and p2p code run on the CPU."""
+    from megatron.core.tensor_parallel import random as mrandom
+
     saved = {name: getattr(torch.cuda, name) for name in ("current_device", "synchronize")}
     torch.cuda.current_device = lambda: 0  # type: ignore[assignment]
     torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+    # Activation recompute saves "the GPU's" RNG state and restores it to replay dropout: here
+    # the RNG that dropout draws from is the CPU's.
+    rng = (mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state)
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     try:
         with _CudaToCpu():
             yield
     finally:
         for name, fn in saved.items():
             setattr(torch.cuda, name, fn)
+        mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state = rng

@@ -12,6 +12,7 @@ and whether Megatron's functions are the originals again.
     python -m torch.distributed.run --standalone --nproc_per_node=2 _megatron_worker.py \
         --schedule 1f1b --storage DIR --out DIR
     python _megatron_worker.py --schedule none --storage DIR --out DIR      # one process
+    (add --recompute for full activation recompute: each layer saves only its input)
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--storage", required=True, help="directory for the offloaded activations")
     p.add_argument("--out", required=True, help="directory for rank<N>.json")
     p.add_argument("--timeout", type=float, default=90.0, help="gloo timeout, seconds")
+    p.add_argument("--recompute", action="store_true",
+                   help="full activation recompute (Megatron's checkpointing): only block inputs are saved")
     return p.parse_args(argv)
 
 
@@ -57,7 +60,7 @@ def init_distributed(args):
         )
 
 
-def build(schedule):
+def build(schedule, recompute=False):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -89,6 +92,7 @@ def build(schedule):
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
+        **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}),
     )
     rank = torch.distributed.get_rank()
     torch.manual_seed(1234 + rank)
@@ -271,7 +275,7 @@ def main(argv=None):
     checks, notes = report["checks"], report["notes"]
     storage = os.path.join(args.storage, f"rank{rank}")
     with cpu_megatron():
-        chunks = build(args.schedule)
+        chunks = build(args.schedule, args.recompute)
         initial = [copy.deepcopy(c.state_dict()) for c in chunks]
 
         plain = train(chunks, initial, args.schedule)

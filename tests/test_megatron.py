@@ -264,14 +264,17 @@ def test_deallocated_output_saved_inside_no_offload(schedules, tmp_path):
     assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
-# -- the three schedules, end to end ---------------------------------------------------------------
+# -- the three schedules, end to end (1F1B also with full activation recompute) ----------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["none", "1f1b", "interleaved"])
+@pytest.mark.parametrize("schedule", ["none", "1f1b", "interleaved", "1f1b+recompute"])
 def test_schedule_bit_identical_with_offload(schedule, schedules, tmp_path):
     storage, out = tmp_path / "storage", tmp_path / "out"
     storage.mkdir()
     out.mkdir()
+    schedule, _, recompute = schedule.partition("+")
     args = [WORKER, "--schedule", schedule, "--storage", str(storage), "--out", str(out), "--timeout", "120"]
+    if recompute:  # Megatron's checkpointing: each layer saves its input, the offloader takes those
+        args.append("--recompute")
     if schedule == "none":
         cmd = [sys.executable, *args]
     else:
