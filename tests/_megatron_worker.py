@@ -12,7 +12,8 @@ and whether Megatron's functions are the originals again.
     python -m torch.distributed.run --standalone --nproc_per_node=2 _megatron_worker.py \
         --schedule 1f1b --storage DIR --out DIR
     python _megatron_worker.py --schedule none --storage DIR --out DIR      # one process
-    (add --recompute for full activation recompute: each layer saves only its input)
+    (add --recompute for full activation recompute: each layer saves only its input; with
+    --schedule none under torchrun, --tensor-parallel 2 splits every layer over the 2 ranks)
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def parse_args(argv=None):
     p.add_argument("--storage", required=True, help="directory for the offloaded activations")
     p.add_argument("--out", required=True, help="directory for rank<N>.json")
     p.add_argument("--timeout", type=float, default=90.0, help="gloo timeout, seconds")
+    p.add_argument("--tensor-parallel", type=int, default=1, help="tensor-parallel size (ranks)")
     p.add_argument("--recompute", action="store_true",
                    help="full activation recompute (Megatron's checkpointing): only block inputs are saved")
     return p.parse_args(argv)
@@ -60,7 +62,7 @@ def init_distributed(args):
         )
 
 
-def build(schedule, recompute=False):
+def build(schedule, recompute=False, tp=1):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -70,7 +72,7 @@ def build(schedule, recompute=False):
     pp = 1 if schedule == "none" else 2
     vp = 2 if schedule == "interleaved" else None
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=1,
+        tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vp,
     )
@@ -92,6 +94,7 @@ def build(schedule, recompute=False):
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
+        tensor_model_parallel_size=tp,
         **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}),
     )
     rank = torch.distributed.get_rank()
@@ -275,7 +278,7 @@ def main(argv=None):
     checks, notes = report["checks"], report["notes"]
     storage = os.path.join(args.storage, f"rank{rank}")
     with cpu_megatron():
-        chunks = build(args.schedule, args.recompute)
+        chunks = build(args.schedule, args.recompute, args.tensor_parallel)
         initial = [copy.deepcopy(c.state_dict()) for c in chunks]
 
         plain = train(chunks, initial, args.schedule)

@@ -264,23 +264,25 @@ def test_deallocated_output_saved_inside_no_offload(schedules, tmp_path):
     assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
-# -- the three schedules, end to end (1F1B also with full activation recompute) ----------------------
+# -- the three schedules, end to end (1F1B also with full recompute; no pipeline with TP 2) ----------
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["none", "1f1b", "interleaved", "1f1b+recompute"])
+@pytest.mark.parametrize("schedule", ["none", "1f1b", "interleaved", "1f1b+recompute", "none+tp2"])
 def test_schedule_bit_identical_with_offload(schedule, schedules, tmp_path):
     storage, out = tmp_path / "storage", tmp_path / "out"
     storage.mkdir()
     out.mkdir()
-    schedule, _, recompute = schedule.partition("+")
+    schedule, _, extra = schedule.partition("+")
     args = [WORKER, "--schedule", schedule, "--storage", str(storage), "--out", str(out), "--timeout", "120"]
-    if recompute:  # Megatron's checkpointing: each layer saves its input, the offloader takes those
+    if extra == "recompute":  # Megatron's checkpointing: each layer saves its input, the offloader takes those
         args.append("--recompute")
-    if schedule == "none":
+    if extra == "tp2":  # tensor parallelism: each layer's linears split over the 2 ranks
+        args += ["--tensor-parallel", "2"]
+    if schedule == "none" and not extra:
         cmd = [sys.executable, *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
     run_group(cmd, timeout=240)
-    ranks = 1 if schedule == "none" else 2
+    ranks = 1 if schedule == "none" and not extra else 2
     reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
     for rep in reports:
         failed = {k: rep["notes"].get(k, "") for k, ok in rep["checks"].items() if not ok}
