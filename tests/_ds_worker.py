@@ -13,6 +13,7 @@ was left on disk, and whether the engine was restored by ``detach``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
 import json
@@ -29,6 +30,8 @@ import deepspeed  # noqa: E402
 from deepspeed.pipe import PipelineModule  # noqa: E402
 from deepspeed.runtime.pipe import schedule  # noqa: E402
 from deepspeed.runtime.pipe.engine import PipelineEngine  # noqa: E402
+
+from _slow_drive import slow_drive  # noqa: E402
 
 from ssdtrain.integrations import deepspeed as ssd_deepspeed  # noqa: E402
 
@@ -57,7 +60,12 @@ SCENARIOS = {
                                    "activation_checkpoint_func": functools.partial(checkpoint, use_reentrant=True)}),
     "pipe_zero1": (True, {"zero_optimization": {"stage": 1}, **ZERO}, {}),
     "pipe_bf16": (True, {"bf16": {"enabled": True}}, {}),
+    # On a 200 KB/s drive (names ending in _slow: a throttled posix store): what the drive cannot
+    # take in time stays in memory, per micro-batch.
+    "plain_slow": (False, {}, {}),
+    "pipe_slow": (True, {}, {}),
 }
+SLOW_BPS = 2e5
 
 OUR_ATTRIBUTES = ("forward", "destroy", "_INSTRUCTION_MAP", "_exec_schedule", "_ssdtrain_attachment")
 
@@ -169,7 +177,8 @@ def train(name: str, offload_section: dict | None, rank: int, config_dir: str) -
         result["visible_while_open"] = _files_under(storage)
         stats = off.stats()
         result["stats"] = {k: stats.as_dict()[k] for k in ("saved_bytes", "written_bytes", "read_bytes",
-                                                            "kept_bytes", "forwarded_bytes", "live_entries")}
+                                                            "kept_bytes", "forwarded_bytes", "live_entries",
+                                                            "budget_kept_bytes", "adaptive_keep_bytes")}
         result["microbatches"] = sorted(stats.microbatches, key=repr)
         engine.destroy()                      # must close the offloader
         try:
@@ -206,7 +215,8 @@ def run(name: str, storage: str, rank: int, config_dir: str) -> dict:
     base = train(name, None, rank, config_dir)
     path = os.path.join(storage, name)
     section = {"enabled": True, "path": path, "min_bytes": 0, "backend": "posix"}
-    off = train(name, section, rank, config_dir)
+    with slow_drive(SLOW_BPS) if name.endswith("_slow") else contextlib.nullcontext():
+        off = train(name, section, rank, config_dir)
     base_params, off_params = base.pop("params"), off.pop("params")
     return {
         "losses_base": base["losses"],

@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _megatron_shim import cpu_megatron  # noqa: E402
+from _slow_drive import slow_drive  # noqa: E402
 
 SEQ = 16
 MICRO_BATCH = 2
@@ -321,18 +322,10 @@ def main(argv=None):
 
         # 3. A drive far slower than the stage (1 MB/s each way): the write budget and adaptive
         #    keep decide per micro-batch what goes, and gradients stay exact.
-        import ssdtrain.offloader as offloader_module
-        from ssdtrain.store.throttle import ThrottledBackend
-
-        real_make = offloader_module.make_backend
-        offloader_module.make_backend = lambda cfg: ThrottledBackend(real_make(cfg), write_bps=1e6, read_bps=1e6)
-        try:
-            with ssd_megatron.patch(path=storage, min_bytes=0, backend="posix") as h3:
-                slow = train(chunks, initial, args.schedule)
-                h3.offloader.wait()
-                s3 = h3.offloader.stats()
-        finally:
-            offloader_module.make_backend = real_make
+        with slow_drive(1e6), ssd_megatron.patch(path=storage, min_bytes=0, backend="posix") as h3:
+            slow = train(chunks, initial, args.schedule)
+            h3.offloader.wait()
+            s3 = h3.offloader.stats()
         report["slow_drive"] = {k: getattr(s3, k) for k in (
             "written_bytes", "read_bytes", "kept_bytes", "budget_kept_bytes", "adaptive_keep_bytes",
             "cancelled_writes", "forwarded_bytes", "stall_seconds", "unique_bytes")}

@@ -28,8 +28,8 @@ from ssdtrain.integrations import deepspeed as ssd_deepspeed
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ds_worker.py")
 RUN_TIMEOUT = 420  # seconds for the whole torchrun; generous for the one-time op compile on 2 busy cores
 MICROBATCHES, STEPS = 4, 3  # as in _ds_worker.py
-PLAIN = ["plain", "plain_zero1", "plain_zero2", "plain_zero3", "plain_bf16"]
-PIPE = ["pipe", "pipe_ckpt", "pipe_ckpt_torch", "pipe_zero1", "pipe_bf16"]
+PLAIN = ["plain", "plain_zero1", "plain_zero2", "plain_zero3", "plain_bf16", "plain_slow"]
+PIPE = ["pipe", "pipe_ckpt", "pipe_ckpt_torch", "pipe_zero1", "pipe_bf16", "pipe_slow"]
 
 DS_CONFIG = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2}
 
@@ -236,6 +236,16 @@ def test_every_rank_writes_and_leaves_nothing_on_disk(ds_run, name):
         assert res["visible_while_open"] == []           # arena files are unlinked once opened
         assert res["left_on_disk"] == []
     assert os.listdir(ds_run.storage / name) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["plain_slow", "pipe_slow"])
+def test_a_slow_drive_keeps_what_it_cannot_take(ds_run, name):
+    """On a 200 KB/s drive (bit-identical above): what could not be written in time stayed in
+    memory, by the write budget or adaptive keep, on every rank."""
+    for r, res in enumerate(_scenario(ds_run, name)):
+        stats = res["stats"]
+        assert stats["budget_kept_bytes"] + stats["adaptive_keep_bytes"] > 0, (r, stats)
 
 
 @pytest.mark.slow
