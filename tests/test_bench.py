@@ -241,7 +241,7 @@ def test_device_option_and_its_errors(tmp_path, capsys, monkeypatch):
         runner.run(runner.BenchArgs(model=GPTConfig(), batch=1, steps=1, dtype="float16"))
 
 
-def test_a_gpu_gets_the_gpu_preset_sized_for_a_24_gib_card(monkeypatch):
+def test_a_gpu_gets_the_gpu_preset_and_a_model_it_cannot_hold_is_refused_first(monkeypatch, capsys):
     assert command.preset_name(True, "cuda") == "quick"  # --quick wins, and resolves nothing
     assert command.preset_name(False, "cpu") == "default"
     cpu = command.args_from_cli(command._parser().parse_args(["--device", "cpu"]))
@@ -250,15 +250,23 @@ def test_a_gpu_gets_the_gpu_preset_sized_for_a_24_gib_card(monkeypatch):
     assert command.preset_name(False, "auto") == "gpu"
     gpu = command.args_from_cli(command._parser().parse_args(["--layers", "2"]))
     assert gpu.model == preset("gpu").replace(layers=2) and gpu.probe_bytes == 1 << 30 and gpu.batch == 4
-    # Weights, gradients and AdamW's two moments in bfloat16 (8 bytes a parameter), plus the
-    # activations a layer saves at batch 4 (at most ~40 bytes per token and hidden unit in
-    # bfloat16, with fused attention) and the logits: under 20 GiB, so it runs on a 24 GiB card.
-    cfg = preset("gpu")
+    # The timed rounds hold every mode's model and AdamW state (3 x 2 bytes a parameter in bf16)
+    # side by side: the GPU preset with its five modes needs more than 24 GiB, less than 40.
+    gib = 1 << 30
+    needed, per_mode = runner.gpu_memory_needed(preset("gpu"), 4, torch.bfloat16, 5)
     with torch.device("meta"):
-        params = sum(p.numel() for p in GPT(cfg).parameters())
-    tokens = 4 * cfg.seq
-    need = 8 * params + cfg.layers * 40 * tokens * cfg.hidden + 6 * tokens * cfg.vocab
-    assert 0.5e9 < params < 1e9 and need < 20 * (1 << 30), (params, need / (1 << 30))
+        params = GPT(preset("gpu")).num_params()
+    assert per_mode == 6 * params and 0.5e9 < params < 1e9
+    assert 24 * gib < needed < 40 * gib, needed / gib
+    assert runner.gpu_memory_needed(preset("gpu"), 4, torch.bfloat16, 1)[0] < needed - 3 * per_mode
+    # Refused before any work (no probe, no child), naming the sizes and what to change.
+    monkeypatch.setattr(runner, "_check", lambda args: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (20 * gib, 24 * gib))
+    monkeypatch.setattr(runner, "probe", lambda *a, **k: pytest.fail("the drive was probed"))
+    assert bench.main(["--device", "cuda", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "keeps all 5 modes' models on cuda:0 side by side" in err and "20.0 GiB is free" in err
+    assert "pass fewer --modes" in err and err.count("\n") == 1
 
 
 def test_gpu_clock_and_memory_calls_in_order(monkeypatch):

@@ -67,10 +67,11 @@ PRESETS: dict[str, GPTConfig] = {
     "quick": GPTConfig(vocab=512, seq=128, layers=4, hidden=128, heads=4),
     # A step (batch 4, the bench default) takes a few seconds on 2 CPU cores.
     "default": GPTConfig(vocab=8192, seq=512, layers=8, hidden=512, heads=8),
-    # The default on a GPU (`ssdtrain bench` where CUDA is): about 0.7 B parameters, 5 GiB of weights
-    # and AdamW state in bfloat16 and about 8 GiB of activations at batch 4, so it fits a 24 GiB
-    # card; an H100's forward makes those activations far faster than one NVMe drive writes
-    # them, the regime offloading meets on GPUs.
+    # The default on a GPU (`ssdtrain bench` where CUDA is): about 0.63 B parameters (3.8 GiB of
+    # weights and AdamW state in bfloat16 per mode; the bench holds its five modes side by side)
+    # and about 8 GiB of activations at batch 4: some 30 GiB in all, a 40 GiB card or larger.
+    # An H100's forward makes those activations far faster than one NVMe drive writes them, the
+    # regime offloading meets on GPUs.
     "gpu": GPTConfig(vocab=32768, seq=2048, layers=12, hidden=2048, heads=16),
 }
 

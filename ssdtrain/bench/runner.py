@@ -134,6 +134,35 @@ def default_dtype(device: torch.device) -> str:
     return "bfloat16" if device.type == "cuda" else "float32"
 
 
+def gpu_memory_needed(cfg: GPTConfig, batch: int, dtype: torch.dtype, modes: int) -> tuple[int, int]:
+    """``(needed, per_mode)``: a lower bound of the device bytes the timed rounds hold, where every
+    mode keeps its own model and AdamW state on the device side by side (weights and the two
+    moments in ``dtype``: ``per_mode``), plus one step's gradients, activations (at least 16
+    elements per token and hidden unit a layer; 17 measured in bf16) and logits."""
+    with torch.device("meta"):
+        params = GPT(cfg).num_params()
+    size = torch.empty((), dtype=dtype, device="meta").element_size()
+    tokens = batch * cfg.seq
+    per_mode = 3 * params * size
+    step = params * size + cfg.layers * 16 * tokens * cfg.hidden * size + tokens * cfg.vocab * size
+    return modes * per_mode + step, per_mode
+
+
+def _check_gpu_memory(args: BenchArgs, dev: torch.device, dtype: torch.dtype) -> None:
+    """Before any work: refuses a model the device cannot hold once per mode, saying what to change."""
+    if dev.type != "cuda":
+        return
+    needed, per_mode = gpu_memory_needed(args.model, args.batch, dtype, len(args.modes))
+    free = torch.cuda.mem_get_info(dev)[0]
+    if needed > free:
+        gib = 1 << 30
+        raise ValueError(
+            f"the bench keeps all {len(args.modes)} modes' models on {dev} side by side: at least "
+            f"{needed / gib:.1f} GiB ({len(args.modes)} x {per_mode / gib:.1f} GiB of weights and AdamW state, "
+            f"plus one step's gradients and activations), and {free / gib:.1f} GiB is free; pass fewer --modes, "
+            "or a smaller --layers, --hidden, --seq or --batch")
+
+
 def _check(args: BenchArgs) -> torch.device:
     """Validates ``args`` before any work; returns the device they resolve to."""
     bad = [m for m in args.modes if m not in MODES]
@@ -158,6 +187,7 @@ def run(args: BenchArgs) -> dict:
 
     dev = _check(args)
     dtype_name = args.dtype or default_dtype(dev)
+    _check_gpu_memory(args, dev, DTYPES[dtype_name])
     if args.threads:
         torch.set_num_threads(args.threads)
     paths = list(OffloadConfig(path=args.path).paths if args.path else OffloadConfig().paths)
