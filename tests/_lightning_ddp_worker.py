@@ -20,7 +20,6 @@ import warnings
 import _rank_report
 import lightning.pytorch as pl
 import torch
-from _rank_report import counted_entries
 from _recipes_worker import SEQ, VOCAB, TinyGPT
 
 from ssdtrain.integrations.lightning import OffloadCallback
@@ -72,7 +71,7 @@ def main() -> None:
     want, _ = _fit(LitGPT(copy.deepcopy(gpt)), os.path.join(ns.out, "base"), [])
     act = os.path.join(ns.out, f"act{rank}")
     cb = OffloadCallback(path=act, min_bytes=0)
-    with counted_entries() as entries:
+    with _rank_report.counted_entries() as entries:
         got, strategy = _fit(LitGPT(copy.deepcopy(gpt)), os.path.join(ns.out, "off"), [cb])
     _rank_report.write(ns.out, want=want, got=got, start=start, entries=entries, stats=cb.stats(), act_dir=act,
                        strategy=strategy)

@@ -19,7 +19,6 @@ import os
 import _rank_report
 import torch
 import transformers
-from _rank_report import counted_entries
 
 from ssdtrain.integrations.transformers import OffloadCallback
 
@@ -60,7 +59,7 @@ def main() -> None:
     want, _ = _train(copy.deepcopy(llama), os.path.join(ns.out, f"base{rank}"), [])
     act = os.path.join(ns.out, f"act{rank}")
     cb = OffloadCallback(path=act, min_bytes=0)
-    with counted_entries() as entries:
+    with _rank_report.counted_entries() as entries:
         got, wrapped = _train(copy.deepcopy(llama), os.path.join(ns.out, f"off{rank}"), [cb])
     _rank_report.write(ns.out, want=want, got=got, start=start, entries=entries, stats=cb.stats(), act_dir=act,
                        ddp=wrapped)

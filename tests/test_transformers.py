@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import ssdtrain
+from _rank_report import counted_entries
 from _torchrun import gloo_or_skip, torchrun
 from ssdtrain.integrations import transformers as ssd_transformers
 
@@ -76,17 +77,10 @@ def _assert_equal(got, want):
 
 
 @pytest.fixture
-def entries(monkeypatch):
+def entries():
     """Counts ``with offloader:`` entries (all offloaders)."""
-    count = []
-    enter = ssdtrain.Offloader.__enter__
-
-    def counting(self):
-        count.append(torch.is_grad_enabled())
-        return enter(self)
-
-    monkeypatch.setattr(ssdtrain.Offloader, "__enter__", counting)
-    return count
+    with counted_entries() as count:
+        yield count
 
 
 # -- the callback itself ------------------------------------------------------------------------------
