@@ -212,16 +212,15 @@ class WriteQueue:
             # inline on the main thread for a write done before its callback was added) leaves
             # the record, and heal() finishes it again, idempotently: the entry has left WRITING
             # (or, dead, its extent is gone), so nothing is counted twice.
-            if e.state is not State.WRITING and not (e.state is State.FREED and e.extent is not None):
-                pass  # settled already: only the record is left to drop
-            elif err is None:
-                path = e.extent.path_index if e.extent is not None else None  # a dead entry's goes now
+            unsettled = e.state is State.WRITING or (e.state is State.FREED and e.extent is not None)
+            if unsettled and err is None:
+                path = e.extent.path_index  # read first: written() frees a dead entry's extent
                 if self._cache.written(e, fut.result()):
                     self.completed.append(e)
                 self._budget.written(e.nbytes)
-                if self._endurance is not None and path is not None:
+                if self._endurance is not None:
                     self._endurance.record(path, e.nbytes)
-            elif self._cache.write_failed(e):
+            elif unsettled and self._cache.write_failed(e):
                 self._failures.failed(err)
             if self._flight.pop(e.id, None) is not None:
                 self._writing_bytes -= e.nbytes
