@@ -10,11 +10,11 @@ import sys
 import pytest
 
 
-def run_group(cmd: list[str], timeout: float = 240) -> str:
-    """Runs ``cmd`` in its own process group; returns its output. A timeout kills the whole group
-    (a rank that crashed leaves its peer waiting in a collective) and fails the test, as does a
-    non-zero exit."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+def run_group(cmd: list[str], timeout: float = 240, env: dict[str, str] | None = None) -> str:
+    """Runs ``cmd`` in its own process group (with ``env`` added to the environment); returns its
+    output. A timeout kills the whole group (a rank that crashed leaves its peer waiting in a
+    collective) and fails the test, as does a non-zero exit."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **(env or {}))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     try:
@@ -27,11 +27,11 @@ def run_group(cmd: list[str], timeout: float = 240) -> str:
     return out
 
 
-def torchrun(worker: str, *args: str, timeout: float = 240) -> str:
+def torchrun(worker: str, *args: str, timeout: float = 240, env: dict[str, str] | None = None) -> str:
     """``python -m torch.distributed.run --standalone --nproc_per_node=2 worker *args`` (see
     :func:`run_group`)."""
     return run_group([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                      worker, *args], timeout)
+                      worker, *args], timeout, env)
 
 
 def gloo_or_skip() -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -22,6 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from _torchrun import torchrun
 from ssdtrain import OffloadConfig
 from ssdtrain.integrations import deepspeed as ssd_deepspeed
 
@@ -193,19 +193,8 @@ def ds_run(tmp_path_factory):
     pytest.importorskip("deepspeed")
     out = tmp_path_factory.mktemp("ds_out")
     storage = tmp_path_factory.mktemp("ds_storage")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", WORKER,
-           "--storage", str(storage), "--out", str(out), "--scenarios", ",".join(PLAIN + PIPE)]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=RUN_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks
-        log, _ = proc.communicate()
-        pytest.fail(f"DeepSpeed workers did not finish in {RUN_TIMEOUT} s:\n{log[-6000:]}")
-    if proc.returncode != 0:
-        pytest.fail(f"DeepSpeed workers failed (exit {proc.returncode}):\n{log[-6000:]}")
+    torchrun(WORKER, "--storage", str(storage), "--out", str(out), "--scenarios", ",".join(PLAIN + PIPE),
+             timeout=RUN_TIMEOUT, env={"DS_ACCELERATOR": "cpu"})
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     return SimpleNamespace(ranks=ranks, storage=storage)
 

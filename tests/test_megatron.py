@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import ssdtrain
-from _torchrun import run_group
+from _torchrun import run_group, torchrun
 from ssdtrain.config import field_names
 from ssdtrain.integrations import megatron as ssd_megatron
 
@@ -278,10 +278,9 @@ def test_schedule_bit_identical_with_offload(schedule, schedules, tmp_path):
     if extra == "tp2":  # tensor parallelism: each layer's linears split over the 2 ranks
         args += ["--tensor-parallel", "2"]
     if schedule == "none" and not extra:
-        cmd = [sys.executable, *args]
+        run_group([sys.executable, *args])
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
-    run_group(cmd, timeout=240)
+        torchrun(*args)
     ranks = 1 if schedule == "none" and not extra else 2
     reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
     for rep in reports:
