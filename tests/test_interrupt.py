@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 import ssdtrain
-from ssdtrain.cache import Ref
+from ssdtrain.cache import Ref, State
+from ssdtrain.store._pool import IOFuture
 from ssdtrain.store.posix import PosixBackend
 
 from _equiv import assert_same, step
@@ -237,8 +238,6 @@ def test_a_write_settled_again_by_heal_is_counted_once(off_dir):
     """A completion cut short after it settled the entry, before it dropped its flight record:
     heal() finishes it again (Note [an interrupt never unbalances a count]), and counts nothing
     twice: bytes written, writes, the drive's endurance figures."""
-    from ssdtrain.cache import State
-
     model = _model()
     x = torch.randn(256, 256)
     base = step(model, lambda: model(x).sum(), None)
@@ -250,19 +249,10 @@ def test_a_write_settled_again_by_heal_is_counted_once(off_dir):
         off.wait()
     before = off.stats()
     e = next(e for e in off._entries.values() if e.state in (State.WRITTEN, State.ON_DISK))
-
-    class Done:  # the write's future: done, no error
-        def done(self):
-            return True
-
-        def exception(self):
-            return None
-
-        def result(self):
-            return e.checksum
-
+    done = IOFuture()  # the write's future: done, no error
+    done.set_result(e.checksum)
     w = off._writer
-    w._flight[e.id] = (e, Done())  # the record the cut-short completion left
+    w._flight[e.id] = (e, done)  # the record the cut-short completion left
     w._writing_bytes += e.nbytes
     w.heal()
     after = off.stats()
