@@ -141,7 +141,7 @@ def gpu_memory_needed(cfg: GPTConfig, batch: int, dtype: torch.dtype, modes: int
     elements per token and hidden unit a layer; 17 measured in bf16) and logits."""
     with torch.device("meta"):
         params = GPT(cfg).num_params()
-    size = torch.empty((), dtype=dtype, device="meta").element_size()
+    size = dtype.itemsize
     tokens = batch * cfg.seq
     per_mode = 3 * params * size
     step = params * size + cfg.layers * 16 * tokens * cfg.hidden * size + tokens * cfg.vocab * size
