@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = ["State", "Entry", "Ref", "StorageIndex", "Cache", "byte_span", "entry_span", "rebuild", "byte_view"]
+__all__ = ["State", "Entry", "Ref", "Parts", "StorageIndex", "Cache", "byte_span", "entry_span", "rebuild", "byte_view"]
 
 # The widest element (complex128): entry spans start on a multiple of it, so every view of the
 # storage, whatever its dtype, lands on a whole element of the rebuilt buffer.
@@ -204,6 +204,27 @@ class Ref:
             self.graveyard.append((self.entry, self.gen, self.weak))
         except Exception:  # pragma: no cover - interpreter shutdown
             pass
+
+
+class Parts:
+    """What autograd holds for a save of a tensor subclass saved by its parts (Note [a DTensor
+    is saved by its parts], ``keep.py``): what pack returned for each tensor part, the other
+    parts, and what ``__tensor_unflatten__`` needs to put them together again."""
+
+    __slots__ = ("cls", "ctx", "packed", "others", "size", "stride")
+
+    def __init__(self, cls: type, ctx: Any, packed: dict[str, Any], others: dict[str, Any],
+                 size: torch.Size, stride: tuple[int, ...]) -> None:
+        self.cls, self.ctx, self.packed, self.others = cls, ctx, packed, others
+        self.size, self.stride = size, stride
+
+    def rebuild(self, unpack: Any) -> torch.Tensor:
+        """The subclass tensor again, its tensor parts brought back by ``unpack``; detached, as
+        a save kept in memory is handed back (``keep.alias``)."""
+        parts = dict(self.others)
+        parts.update((name, unpack(ref)) for name, ref in self.packed.items())
+        out = self.cls.__tensor_unflatten__(parts, self.ctx, self.size, self.stride)
+        return out.detach() if out.requires_grad else out
 
 
 _SHAREABLE = (State.KEPT, State.QUEUED)

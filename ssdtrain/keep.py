@@ -110,17 +110,45 @@ def install_hooks(blocks: list[nn.Module], kept: list[nn.Module], layer_stack: l
     return handles
 
 
+# Note [a DTensor is saved by its parts]: torch's tensor parallelism (``parallelize_module``,
+# torchtitan) runs the sharded linears on DTensors, and autograd saves the DTensor, a wrapper
+# with no bytes of its own: about 40% of a TP block's saved bytes, 60% with sequence parallelism
+# (norms and residuals on the sequence's shard), in tests/_recipes_worker.py's block. Such a save is
+# taken apart with the subclass's own ``__tensor_flatten__`` (the protocol torch.compile traces
+# it by): each plain tensor part is saved as any other tensor (found, kept or written), the
+# other parts (a DeviceMesh) and the flatten context are held as they are, and unpack puts the
+# same parts back together with ``__tensor_unflatten__``: the same local bytes, placements and
+# shape, so backward computes exactly what it would have. Only the subclasses listed here are
+# taken apart (module, name; looked up only where that module is already imported): others may
+# keep state outside their parts, and stay in memory.
+_BY_PARTS = (("torch.distributed.tensor", "DTensor"),)
+
+
+def by_parts(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a tensor subclass saved by its parts (Note [a DTensor is saved by its parts])."""
+    cls = type(t)
+    for module, name in _BY_PARTS:
+        found = sys.modules.get(module)
+        if found is not None and getattr(found, name, None) is cls:
+            return True
+    return False
+
+
 def as_is(t: torch.Tensor, pinned: frozenset[int], in_kept_module: bool) -> bool:
     """Whether ``t`` is not an activation, or not one we can store as bytes: kept as it is.
 
+    A DTensor that is an activation is not kept here: it is saved by its parts (pack asks
+    again for each of them).
+
     Args:
-        pinned: storage keys of the model's parameters and buffers.
+        pinned: storage keys of the model's parameters and buffers (of their parts, for DTensors).
         in_kept_module: a module of ``keep_modules`` is running.
 
     Raises:
         RuntimeError: a CUDA tensor saved during CUDA graph capture (its I/O would run on the host).
     """
-    if type(t) is not torch.Tensor or t.layout is not torch.strided or t.is_inference():
+    plain = type(t) is torch.Tensor
+    if not (plain or by_parts(t)) or t.layout is not torch.strided or t.is_inference():
         return True  # parameters (nn.Parameter), tensor subclasses, sparse, inference tensors
     if t.device.type not in ("cpu", "cuda") or t.numel() == 0 or t.is_quantized or t._is_zerotensor():
         return True  # quantized: scales and zero points live outside the bytes
@@ -129,17 +157,36 @@ def as_is(t: torch.Tensor, pinned: frozenset[int], in_kept_module: bool) -> bool
     base = t._base
     if t.requires_grad and t.is_leaf and base is None:
         return True  # a leaf that wants gradients lives anyway (a parameter in all but name)
-    if base is not None and (type(base) is not torch.Tensor or (base.requires_grad and base.is_leaf)):
+    if base is not None and ((type(base) is not torch.Tensor and not by_parts(base)) or
+                             (base.requires_grad and base.is_leaf)):
         return True  # a view of a parameter (e.g. weight.t() saved by mm)
     if _is_weight_cast(base if base is not None else t):
         return True
     if device.is_cuda(t) and device.capturing():
         raise RuntimeError("ssdtrain cannot offload inside CUDA graph capture (its I/O runs on the host); "
                            "capture the graph outside the Offloader, or wrap it in ssdtrain.no_offload()")
+    if not plain:
+        return False  # its parts are asked about one by one
     try:
         return t.untyped_storage()._cdata in pinned
     except (RuntimeError, NotImplementedError):
         return True  # no real storage (functional / fake tensors)
+
+
+def storage_keys(tensors: Iterator[torch.Tensor]) -> frozenset[int]:
+    """The storage keys of ``tensors`` (parameters, buffers), and of their parts for the
+    subclasses saved by parts (a DTensor parameter's local shard)."""
+    keys = set()
+    for t in tensors:
+        if by_parts(t):
+            names, _ = t.__tensor_flatten__()
+            keys.update(storage_keys(p for p in (getattr(t, n) for n in names) if isinstance(p, torch.Tensor)))
+            continue
+        try:
+            keys.add(t.untyped_storage()._cdata)
+        except (RuntimeError, NotImplementedError):
+            pass  # no real storage: nothing of it is ever written
+    return frozenset(keys)
 
 
 def alias(t: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ssdtrain import device, keep
-from ssdtrain.cache import Cache, Entry, Ref, State, byte_span, entry_span, rebuild
+from ssdtrain.cache import Cache, Entry, Parts, Ref, State, byte_span, entry_span, rebuild
 from ssdtrain.config import OffloadConfig
 from ssdtrain.endurance import EnduranceMonitor
 from ssdtrain.schedule import KeepPolicy, ReadWindow, Scope, Scopes, WriteBudget, find_blocks
@@ -226,8 +226,7 @@ class Offloader:
         self._check_open()
         self._safe_point(raise_errors=True)
         if self._models:
-            self._pinned = frozenset(t.untyped_storage()._cdata for m in self._models
-                                     for t in itertools.chain(m.parameters(), m.buffers()))
+            self._pinned = keep.storage_keys(t for m in self._models for t in itertools.chain(m.parameters(), m.buffers()))
         self._layer_stack.clear()
         self._keep_depth[0] = 0
         with self._lock:
@@ -281,6 +280,8 @@ class Offloader:
     def _pack(self, t: torch.Tensor) -> Any:
         if keep.as_is(t, self._pinned, self._keep_depth[0] > 0):
             return keep.alias(t)
+        if type(t) is not torch.Tensor:
+            return self._pack_parts(t)
         with profiled("ssdtrain.pack"):
             self._check_open()
             self._safe_point(raise_errors=True)
@@ -303,6 +304,15 @@ class Offloader:
             if entry.state is State.QUEUED:
                 self._writer.pump()
             return ref
+
+    def _pack_parts(self, t: torch.Tensor) -> Any:
+        """Note [a DTensor is saved by its parts]: each tensor part packed as a save of its own."""
+        names, ctx = t.__tensor_flatten__()
+        parts = {name: getattr(t, name) for name in names}
+        packed = {name: self._pack(p) for name, p in parts.items() if isinstance(p, torch.Tensor)}
+        if all(isinstance(ref, torch.Tensor) for ref in packed.values()):
+            return keep.alias(t)  # every part stays in memory: so does the whole
+        return Parts(type(t), ctx, packed, {n: p for n, p in parts.items() if n not in packed}, t.size(), t.stride())
 
     def _new_entry(self, t: torch.Tensor, lo: int, hi: int, scope: Scope, layer: int | None) -> Entry:
         """Under the lock: a new entry, kept or queued for writing (Note [write only what comes
@@ -377,6 +387,8 @@ class Offloader:
     def _unpack(self, ref: Any) -> torch.Tensor:
         if isinstance(ref, torch.Tensor):
             return ref
+        if type(ref) is Parts:
+            return ref.rebuild(self._unpack)
         with profiled("ssdtrain.unpack"):
             self._safe_point(raise_errors=False)
             e = ref.entry

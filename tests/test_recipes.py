@@ -86,6 +86,27 @@ def test_ddp_and_fsdp2_two_ranks(tmp_path):
             assert r["left_behind"] == [], (rank, mode)
 
 
+@pytest.mark.slow
+def test_tensor_parallel_two_ranks(tmp_path):
+    """torch's tensor parallelism (``parallelize_module``), with and without sequence
+    parallelism: exact, and the DTensor saves are written too (the run that keeps them in
+    memory writes less)."""
+    pytest.importorskip("torch.distributed.tensor.parallel")
+    gloo_or_skip()
+    storage, out = tmp_path / "storage", tmp_path / "out"
+    storage.mkdir()
+    out.mkdir()
+    torchrun(WORKER, "--modes", "tp", "tp_sp", "--storage", str(storage), "--out", str(out), "--timeout", "120")
+    for rank in range(2):
+        rep = json.loads((out / f"rank{rank}.json").read_text())
+        for mode in ("tp", "tp_sp"):
+            r = rep[mode]
+            assert r["names"] and r["trained"], (rank, mode, r)
+            assert r["differ"] == [] and r["differ_dtensors_kept"] == [], (rank, mode, r)
+            assert r["written_bytes"] > r["written_bytes_dtensors_kept"] > 0, (rank, mode, r)
+            assert r["left_behind"] == [], (rank, mode)
+
+
 # -- one process --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_activation_checkpointing(gpt, tmp_path, use_reentrant):

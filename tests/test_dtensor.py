@@ -1,0 +1,206 @@
+"""DTensor saves (torch's tensor parallelism) go to storage by their parts and come back exact
+(Note [a DTensor is saved by its parts], ``ssdtrain/keep.py``).
+
+One process, a 1-rank gloo group: DTensor's dispatch, flatten and unflatten are the same code as on
+many ranks. Two ranks: ``tests/test_recipes.py::test_tensor_parallel_two_ranks``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import ssdtrain
+from _recipes_worker import SEQ, VOCAB, TinyGPT, TPBlock, tensor_parallel
+from ssdtrain import keep
+
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available() or not dist.is_gloo_available():
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+dtensor = pytest.importorskip("torch.distributed.tensor")
+pytest.importorskip("torch.distributed.tensor.parallel")
+DTensor, Replicate, Shard = dtensor.DTensor, dtensor.Replicate, dtensor.Shard
+
+# Dropout on a sequence-parallel DTensor: torch's CPU mesh draws from the default generator
+# (the same masks in both runs, as the equality checks show), and warns so.
+pytestmark = pytest.mark.filterwarnings("ignore:DTensor random operators may not have complete support:UserWarning")
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
+def _tp_model(mesh, sequence_parallel: bool = False, layers: int = 2) -> TinyGPT:
+    torch.manual_seed(0)
+    model = TinyGPT(layers=layers, block=TPBlock)
+    tensor_parallel(model, mesh, sequence_parallel)
+    return model
+
+
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _tokens():
+    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def _step(model, x, off):
+    """One forward and backward (dropout seeded); the loss and every gradient, as local tensors."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(7)
+    if off is None:
+        loss = model(x, x.roll(-1, dims=1))
+    else:
+        with off:
+            loss = model(x, x.roll(-1, dims=1))
+            off.wait()  # every write lands before backward: it reads them all back
+    loss.backward()
+    return loss.detach(), [_local(p.grad).clone() for p in model.parameters()]
+
+
+def _assert_same(a, b):
+    assert torch.equal(a[0], b[0]), (a[0], b[0])
+    differ = [i for i, (x, y) in enumerate(zip(a[1], b[1])) if not torch.equal(x, y)]
+    assert not differ, f"gradients differ: {differ}"
+
+
+def _saves_by_type(fn) -> dict[str, int]:
+    """What ``fn()`` saves for backward, by type, without offloading."""
+    seen: dict[str, int] = {}
+
+    def pack(t):
+        seen[type(t).__name__] = seen.get(type(t).__name__, 0) + 1
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return seen
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp_sp"])
+def test_tensor_parallel_blocks_are_exact_with_their_dtensor_saves_written(mesh, tmp_path, monkeypatch,
+                                                                         sequence_parallel):
+    model = _tp_model(mesh, sequence_parallel)
+    x = _tokens()
+    assert _saves_by_type(lambda: model(x, x)).get("DTensor", 0) > 0, "no DTensor saved: the test proves nothing"
+    want = _step(model, x, None)
+    off = ssdtrain.Offloader(model, path=str(tmp_path / "a"), min_bytes=0)
+    for _ in range(2):
+        _assert_same(_step(model, x, off), want)
+    got = off.stats()
+    off.close()
+    assert got.read_bytes > 0
+
+    # The same run with DTensors kept as they are, as before the note: less is written.
+    monkeypatch.setattr(keep, "_BY_PARTS", ())
+    plain = ssdtrain.Offloader(model, path=str(tmp_path / "b"), min_bytes=0)
+    for _ in range(2):
+        _assert_same(_step(model, x, plain), want)
+    without = plain.stats()
+    plain.close()
+    assert got.written_bytes > without.written_bytes > 0, (got.written_bytes, without.written_bytes)
+
+
+def test_a_dtensor_save_is_written_once_and_rebuilt_with_its_placement_views_and_dtype(mesh, tmp_path):
+    """Only DTensors are saved here: every byte written is a DTensor's local part, each storage
+    once (``a`` and its transpose), in fp32 and bf16; the gradients are the same DTensors."""
+    from torch.distributed.tensor import distribute_tensor
+
+    torch.manual_seed(0)
+    a0 = distribute_tensor(torch.randn(64, 128), mesh, [Shard(0)])
+    b0 = distribute_tensor(torch.randn(128, 32, dtype=torch.bfloat16), mesh, [Replicate()])
+
+    def run(off):
+        a, b = a0.detach().requires_grad_(), b0.detach().requires_grad_()
+
+        def fwd():
+            h = torch.tanh(a)                     # saves its output (fp32)
+            m = h.t() @ h                         # h again, and its transpose: one storage
+            y = (m.to(torch.bfloat16) @ b).float()  # a bf16 DTensor activation
+            return y.square().sum()
+
+        if off is None:
+            loss = fwd()
+        else:
+            with off:
+                loss = fwd()
+                off.wait()
+        loss.backward()
+        return loss.detach(), a.grad, b.grad
+
+    want = run(None)
+    off = ssdtrain.Offloader(path=str(tmp_path), min_bytes=0)
+    got = run(off)
+    s = off.stats()
+    off.close()
+    assert torch.equal(got[0].to_local(), want[0].to_local())
+    for g, w in zip(got[1:], want[1:]):
+        assert isinstance(g, DTensor) and g.placements == w.placements, (type(g), getattr(g, "placements", None))
+        assert g.dtype == w.dtype and torch.equal(g.to_local(), w.to_local())
+    # tanh's output h (fp32; saved by tanh, and as h and h.t() by the first matmul: one entry),
+    # the bf16 m (the second matmul; b is a leaf) and y (square): all DTensors, each once.
+    assert s.written_bytes == 64 * 128 * 4 + 128 * 128 * 2 + 128 * 32 * 4, s.written_bytes
+    assert s.read_bytes > 0
+
+
+def test_a_dtensor_parameter_is_never_written_even_through_a_detached_alias(mesh, tmp_path):
+    """``w.detach()`` is no view of ``w`` for autograd, but its local part is the parameter's
+    shard: pack finds it among the parameters' storages (keep.storage_keys) and keeps it."""
+    from torch.distributed.tensor import distribute_tensor
+
+    lin = nn.Linear(256, 256, bias=False)
+    lin.weight = nn.Parameter(distribute_tensor(lin.weight.detach(), mesh, [Shard(0)]))
+    h = distribute_tensor(torch.randn(256, 256), mesh, [Replicate()]).requires_grad_()
+    off = ssdtrain.Offloader(lin, path=str(tmp_path), min_bytes=0)
+    with off:
+        loss = (lin.weight.detach() * h).sum()  # saves the detached weight (for h's gradient)
+        off.wait()
+    loss.backward()
+    s = off.stats()
+    off.close()
+    assert torch.equal(h.grad.to_local(), lin.weight.detach().to_local())
+    assert s.written_bytes == 0 and s.saved_bytes == 0, (s.written_bytes, s.saved_bytes)
+
+
+def test_a_dtensor_in_a_kept_module_stays_in_memory(mesh, tmp_path):
+    from torch.distributed.tensor import distribute_tensor
+
+    class Tanh(nn.Module):
+        def forward(self, x):
+            return torch.tanh(x)
+
+    a = distribute_tensor(torch.randn(64, 128), mesh, [Shard(1)]).requires_grad_()
+    saved = {}
+    for kept in (False, True):
+        m = Tanh()
+        off = ssdtrain.Offloader(m, path=str(tmp_path), min_bytes=0, keep_modules=[m] if kept else [])
+        with off:
+            loss = m(a).sum()  # tanh saves its output; sum saves nothing
+            off.wait()
+        loss.backward()
+        saved[kept] = off.stats().saved_bytes, off.stats().written_bytes
+        off.close()
+    assert saved == {False: (64 * 128 * 4,) * 2, True: (0, 0)}, saved
+
+
+def test_keep_takes_apart_only_the_subclasses_it_lists(mesh):
+    from torch.distributed.tensor import distribute_tensor
+
+    d = distribute_tensor(torch.randn(4, 4), mesh, [Replicate()])
+    assert keep.by_parts(d)
+    assert not keep.by_parts(torch.randn(4)) and not keep.by_parts(nn.Parameter(torch.randn(4)))
+
+    class Other(torch.Tensor):
+        pass
+
+    assert not keep.by_parts(torch.randn(4).as_subclass(Other))
+    assert keep.as_is(torch.randn(4).as_subclass(Other), frozenset(), False)
+
