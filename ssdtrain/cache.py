@@ -77,6 +77,13 @@ def rebuild(buf: torch.Tensor, ref: Ref) -> torch.Tensor:
     return out
 
 
+def modified(what: str, now: int, saved: int) -> str:
+    """The error backward raises for a save changed in place since (Note [in-place after save])."""
+    return (f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"[{what}] is at version {now}; expected version {saved} instead. (detected by ssdtrain; the same "
+            "code fails this way without offloading)")
+
+
 class Entry:
     """One stored region of one storage, shared by every save of it."""
 
@@ -140,12 +147,8 @@ class Entry:
         """Note [in-place after save]: remember (in ``tainted``) a modification since the save."""
         now = self.current_version()
         if now is not None and now != self.version and self.tainted is None:
-            self.tainted = (
-                f"one of the variables needed for gradient computation has been modified by an inplace "
-                f"operation: [{self.device.type} tensor of {self.nbytes} bytes, saved in layer "
-                f"{self.layer}] is at version {now}; expected version {self.version} instead. "
-                "(detected by ssdtrain; the same code fails this way without offloading)"
-            )
+            self.tainted = modified(f"{self.device.type} tensor of {self.nbytes} bytes, saved in layer {self.layer}",
+                                    now, self.version)
 
     def release_memory(self) -> None:
         """Drops the in-memory copy (after it is safely on storage)."""
@@ -209,18 +212,32 @@ class Ref:
 class Parts:
     """What autograd holds for a save of a tensor subclass saved by its parts (Note [a DTensor
     is saved by its parts], ``keep.py``): what pack returned for each tensor part, the other
-    parts, and what ``__tensor_unflatten__`` needs to put them together again."""
+    parts, and what ``__tensor_unflatten__`` needs to put them together again.
 
-    __slots__ = ("cls", "ctx", "packed", "others", "size", "stride")
+    Note [in-place after save], for a subclass: an in-place op on a DTensor bumps its own version,
+    not its local shard's (the op on the shard runs below autograd), so the parts' entries cannot
+    see it. ``guard`` (``keep.version_guard``) shares the saved tensor's version counter and
+    holds none of its bytes; a change is found when backward unpacks it.
+    """
 
-    def __init__(self, cls: type, ctx: Any, packed: dict[str, Any], others: dict[str, Any],
-                 size: torch.Size, stride: tuple[int, ...]) -> None:
-        self.cls, self.ctx, self.packed, self.others = cls, ctx, packed, others
-        self.size, self.stride = size, stride
+    __slots__ = ("cls", "ctx", "packed", "others", "size", "stride", "guard", "version")
+
+    def __init__(self, t: torch.Tensor, ctx: Any, packed: dict[str, Any], others: dict[str, Any],
+                 guard: torch.Tensor) -> None:
+        self.cls, self.ctx, self.packed, self.others = type(t), ctx, packed, others
+        self.size, self.stride, self.version = t.size(), t.stride(), t._version
+        self.guard = guard
 
     def rebuild(self, unpack: Any) -> torch.Tensor:
         """The subclass tensor again, its tensor parts brought back by ``unpack``; detached, as
-        a save kept in memory is handed back (``keep.alias``)."""
+        a save kept in memory is handed back (``keep.alias``).
+
+        Raises:
+            RuntimeError: the saved tensor was changed in place since it was saved.
+        """
+        now = self.guard._version
+        if now != self.version:
+            raise RuntimeError(modified(f"{self.cls.__name__} of shape {tuple(self.size)}", now, self.version))
         parts = dict(self.others)
         parts.update((name, unpack(ref)) for name, ref in self.packed.items())
         out = self.cls.__tensor_unflatten__(parts, self.ctx, self.size, self.stride)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from functools import partial
 from typing import Any
 
@@ -187,6 +187,16 @@ def storage_keys(tensors: Iterator[torch.Tensor]) -> frozenset[int]:
         except (RuntimeError, NotImplementedError):
             pass  # no real storage: nothing of it is ever written
     return frozenset(keys)
+
+
+def version_guard(t: torch.Tensor, tensor_parts: Iterable[str]) -> torch.Tensor:
+    """A detached alias of the subclass tensor ``t`` that shares its version counter (autograd's
+    ``detach`` does, also for a subclass) and holds none of its bytes: its tensor parts are
+    replaced by empty ones. Only its ``_version`` is ever read (``cache.Parts``)."""
+    guard = t.detach()
+    for name in tensor_parts:
+        setattr(guard, name, getattr(guard, name).new_empty(0))
+    return guard
 
 
 def alias(t: torch.Tensor) -> torch.Tensor:

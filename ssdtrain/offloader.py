@@ -312,7 +312,8 @@ class Offloader:
         packed = {name: self._pack(p) for name, p in parts.items() if isinstance(p, torch.Tensor)}
         if all(isinstance(ref, torch.Tensor) for ref in packed.values()):
             return keep.alias(t)  # every part stays in memory: so does the whole
-        return Parts(type(t), ctx, packed, {n: p for n, p in parts.items() if n not in packed}, t.size(), t.stride())
+        others = {n: p for n, p in parts.items() if n not in packed}
+        return Parts(t, ctx, packed, others, keep.version_guard(t, packed))
 
     def _new_entry(self, t: torch.Tensor, lo: int, hi: int, scope: Scope, layer: int | None) -> Entry:
         """Under the lock: a new entry, kept or queued for writing (Note [write only what comes

@@ -204,3 +204,92 @@ def test_keep_takes_apart_only_the_subclasses_it_lists(mesh):
     assert not keep.by_parts(torch.randn(4).as_subclass(Other))
     assert keep.as_is(torch.randn(4).as_subclass(Other), frozenset(), False)
 
+
+
+def test_checkpointed_sequence_parallel_blocks_offload_their_dtensor_inputs(mesh, tmp_path, monkeypatch):
+    """The recommended GPU setup under sequence parallelism: with activation checkpointing a
+    block saves only its input, a DTensor sharded by sequence; those inputs go to storage."""
+    model = _tp_model(mesh, sequence_parallel=True)
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = _Checkpointed(block)
+    x = _tokens()
+    want = _step(model, x, None)
+    written = []
+    for by_parts in (keep._BY_PARTS, ()):  # then DTensors kept as they are, as before the note
+        monkeypatch.setattr(keep, "_BY_PARTS", by_parts)
+        off = ssdtrain.Offloader(model, path=str(tmp_path), min_bytes=0)
+        for _ in range(2):
+            _assert_same(_step(model, x, off), want)
+        written.append(off.stats().written_bytes)
+        assert off.stats().read_bytes > 0
+        off.close()
+    inputs = 2 * 2 * SEQ * 64 * 4  # per step: two blocks' (2, SEQ, 64) fp32 inputs
+    assert written[0] - written[1] >= 2 * inputs, written
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("wait", [False, True], ids=["in_memory", "read_back"])
+@pytest.mark.parametrize("through_view", [False, True], ids=["itself", "a_view_after_it_died"])
+def test_an_in_place_change_of_a_saved_dtensor_fails_backward_as_without_offloading(mesh, tmp_path, wait,
+                                                                                      through_view):
+    """The change bumps the DTensor's version, not its shard's (Parts' guard sees it): without
+    offloading PyTorch raises, and so must backward with offloading, whether the shard comes
+    from memory or from the drive, and also when the saved DTensor itself died and a view of
+    it was changed."""
+    from torch.distributed.tensor import distribute_tensor
+
+    a = distribute_tensor(torch.randn(64, 128), mesh, [Shard(0)]).requires_grad_()
+
+    def forward():
+        h = torch.tanh(a)  # saves its output
+        if through_view:
+            v = h[1:]
+            del h
+            v.mul_(2)
+            return v.sum()
+        h.mul_(2)
+        return h.sum()
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        forward().backward()
+    off = ssdtrain.Offloader(path=str(tmp_path), min_bytes=0)
+    with off:
+        loss = forward()
+        if wait:
+            off.wait()
+    with pytest.raises(RuntimeError, match=r"modified by an inplace operation: \[DTensor of shape \(64, 128\)\]"):
+        loss.backward()
+    s = off.stats()
+    off.close()
+    assert s.saved_bytes == 64 * 128 * 4 and (s.written_bytes > 0) == wait, (s.saved_bytes, s.written_bytes)
+
+
+def test_a_dtensor_save_is_unpacked_again_in_a_second_backward(mesh, tmp_path):
+    """retain_graph: the same Parts are rebuilt twice, from what was read back."""
+    from torch.distributed.tensor import distribute_tensor
+
+    a0 = distribute_tensor(torch.randn(64, 128), mesh, [Shard(1)])
+    grads = []
+    for off in (None, ssdtrain.Offloader(path=str(tmp_path), min_bytes=0)):
+        a = a0.detach().requires_grad_()
+        with off if off is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            loss = (torch.tanh(a) * torch.sigmoid(a)).sum()
+            if off is not None:
+                off.wait()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        grads.append(a.grad.to_local())
+        if off is not None:
+            assert off.stats().read_bytes > 0
+            off.close()
+    assert torch.equal(grads[0], grads[1])
