@@ -239,26 +239,27 @@ class _Checkpointed(nn.Module):
 
 
 @pytest.mark.parametrize("wait", [False, True], ids=["in_memory", "read_back"])
-@pytest.mark.parametrize("through_view", [False, True], ids=["itself", "a_view_after_it_died"])
+@pytest.mark.parametrize("through_alias", [False, True], ids=["itself", "an_alias_after_it_died"])
 def test_an_in_place_change_of_a_saved_dtensor_fails_backward_as_without_offloading(mesh, tmp_path, wait,
-                                                                                      through_view):
+                                                                                      through_alias):
     """The change bumps the DTensor's version, not its shard's (Parts' guard sees it): without
     offloading PyTorch raises, and so must backward with offloading, whether the shard comes
-    from memory or from the drive, and also when the saved DTensor itself died and a view of
-    it was changed."""
+    from memory or from the drive, and also when the saved DTensor itself died and a detached
+    alias of it (which shares its version counter, and does not keep it alive) was changed."""
     from torch.distributed.tensor import distribute_tensor
 
     a = distribute_tensor(torch.randn(64, 128), mesh, [Shard(0)]).requires_grad_()
 
     def forward():
         h = torch.tanh(a)  # saves its output
-        if through_view:
-            v = h[1:]
+        loss = (h * 3).sum()
+        if through_alias:
+            d = h.detach()
             del h
-            v.mul_(2)
-            return v.sum()
-        h.mul_(2)
-        return h.sum()
+            d.mul_(2)
+        else:
+            h.mul_(2)
+        return loss
 
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         forward().backward()
