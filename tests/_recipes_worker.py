@@ -1,4 +1,4 @@
-"""One rank of the DDP / FSDP2 / tensor-parallel recipe tests (run by tests/test_recipes.py under
+"""One rank of the DDP / FSDP2 / tensor-parallel (and 2-D) recipe tests (run by tests/test_recipes.py under
 torchrun, gloo, CPU).
 
 Trains a tiny GPT (dropout on) for a few steps twice from the same weights and seeds: as the
@@ -6,11 +6,13 @@ recipe in docs/recipes.md says (``with off:`` around the wrapped model's forward
 offloading. Writes ``rank<N>.json`` with, per mode, the parameters that are not ``torch.equal``
 between the two runs (full tensors, gathered for FSDP2 and TP), whether training changed them at
 all, and the bytes written. The tensor-parallel modes (``tp``; ``tp_sp``, with sequence
-parallelism) train a third time with DTensor saves kept in memory, as before Note [a DTensor is
-saved by its parts], and report what that run wrote.
+parallelism; ``fsdp2_tp_sp``, both inside FSDP2 on a (ranks/2 x 2) mesh) train a third time with
+DTensor saves kept in memory, as before Note [a DTensor is saved by its parts], and report what
+that run wrote.
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 _recipes_worker.py \\
         --modes ddp fsdp2 tp tp_sp --storage DIR --out DIR
+    (fsdp2_tp_sp: --nproc_per_node=4)
 """
 
 from __future__ import annotations
@@ -128,7 +130,13 @@ def wrap(model: torch.nn.Module, mode: str) -> torch.nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    world = dist.get_world_size()
+    if mode == "fsdp2_tp_sp":  # 2-D, as torchtitan: tensor (and sequence) parallel in, FSDP2 across
+        mesh2 = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        tensor_parallel(model, mesh2["tp"], True)
+        mesh = mesh2["dp"]
+    else:
+        mesh = init_device_mesh("cpu", (world,))
     if mode in ("tp", "tp_sp"):
         tensor_parallel(model, mesh, mode == "tp_sp")
         return model
@@ -147,7 +155,8 @@ def train(base: TinyGPT, mode: str, rank: int, offloader_args: dict | None) -> t
     off = ssdtrain.Offloader(model, **offloader_args) if offloader_args is not None else None
     # Data parallel: each rank its own batches. Tensor parallel: the ranks of a group see the
     # same batch and draw the same dropout masks.
-    seed = 0 if mode.startswith("tp") else rank
+    tp = {"tp": dist.get_world_size(), "tp_sp": dist.get_world_size(), "fsdp2_tp_sp": 2}.get(mode, 1)
+    seed = rank // tp
     g = torch.Generator().manual_seed(1 + seed)
     torch.manual_seed(100 + seed)  # dropout: the same masks in both runs
     for _ in range(STEPS):
@@ -174,7 +183,7 @@ def train(base: TinyGPT, mode: str, rank: int, offloader_args: dict | None) -> t
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--modes", nargs="+", choices=("ddp", "fsdp2", "tp", "tp_sp"), required=True)
+    p.add_argument("--modes", nargs="+", choices=("ddp", "fsdp2", "tp", "tp_sp", "fsdp2_tp_sp"), required=True)
     p.add_argument("--storage", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--timeout", type=float, default=90.0)
@@ -184,7 +193,7 @@ def main() -> None:
     report: dict = {"rank": rank}
     for mode in args.modes:
         torch.manual_seed(0)
-        base = TinyGPT(block=TPBlock) if mode.startswith("tp") else TinyGPT()
+        base = TinyGPT(block=TPBlock) if "tp" in mode else TinyGPT()
         want, _ = train(base, mode, rank, None)
         storage = os.path.join(args.storage, mode, f"rank{rank}")
         got, written = train(base, mode, rank, {"path": storage, "min_bytes": 0})
@@ -196,7 +205,7 @@ def main() -> None:
             "written_bytes": written,
             "left_behind": [os.path.join(d, f) for d, _, fs in os.walk(storage) for f in fs],
         }
-        if mode.startswith("tp"):
+        if "tp" in mode:
             by_parts, ssdtrain.keep._BY_PARTS = ssdtrain.keep._BY_PARTS, ()  # DTensors kept as they are
             try:
                 kept, report[mode]["written_bytes_dtensors_kept"] = train(

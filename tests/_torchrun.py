@@ -1,4 +1,4 @@
-"""Runs a test's worker script on 2 ranks under torchrun (CPU, gloo) and fails the test clearly."""
+"""Runs a test's worker script on 2 (or more) ranks under torchrun (CPU, gloo) and fails the test clearly."""
 
 from __future__ import annotations
 
@@ -27,10 +27,10 @@ def run_group(cmd: list[str], timeout: float = 240, env: dict[str, str] | None =
     return out
 
 
-def torchrun(worker: str, *args: str, timeout: float = 240, env: dict[str, str] | None = None) -> str:
-    """``python -m torch.distributed.run --standalone --nproc_per_node=2 worker *args`` (see
+def torchrun(worker: str, *args: str, timeout: float = 240, env: dict[str, str] | None = None, nproc: int = 2) -> str:
+    """``python -m torch.distributed.run --standalone --nproc_per_node=NPROC worker *args`` (see
     :func:`run_group`)."""
-    return run_group([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    return run_group([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                       worker, *args], timeout, env)
 
 

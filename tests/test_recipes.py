@@ -107,6 +107,24 @@ def test_tensor_parallel_two_ranks(tmp_path):
             assert r["left_behind"] == [], (rank, mode)
 
 
+@pytest.mark.slow
+def test_fsdp2_with_tensor_and_sequence_parallelism_four_ranks(tmp_path):
+    """torchtitan's 2-D layout on a (2 x 2) mesh: TP and SP inside, FSDP2 across."""
+    pytest.importorskip("torch.distributed.tensor.parallel")
+    pytest.importorskip("torch.distributed.fsdp")
+    gloo_or_skip()
+    storage, out = tmp_path / "storage", tmp_path / "out"
+    storage.mkdir()
+    out.mkdir()
+    torchrun(WORKER, "--modes", "fsdp2_tp_sp", "--storage", str(storage), "--out", str(out), "--timeout", "120", nproc=4)
+    for rank in range(4):
+        r = json.loads((out / f"rank{rank}.json").read_text())["fsdp2_tp_sp"]
+        assert r["names"] and r["trained"], (rank, r)
+        assert r["differ"] == [] and r["differ_dtensors_kept"] == [], (rank, r)
+        assert r["written_bytes"] > r["written_bytes_dtensors_kept"] > 0, (rank, r)
+        assert r["left_behind"] == [], rank
+
+
 # -- one process --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_activation_checkpointing(gpt, tmp_path, use_reentrant):
