@@ -17,6 +17,7 @@ import warnings
 import weakref
 from collections import deque
 from collections.abc import Iterator, Mapping
+from functools import partial
 from typing import Any
 
 import torch
@@ -96,7 +97,7 @@ class Offloader:
         self._reader = Reader(self._backend, self._cache, self._lock, self._window, self._budget,
                               max_layers=config.prefetch_layers)
         self._ids = itertools.count()
-        self._scopes = Scopes()
+        self._scopes = Scopes(on_forget=partial(_learn, self._budget))
         self._layer_stack: list[int] = []
         self._keep_depth = [0]
         self._pinned: frozenset[int] = frozenset()
@@ -239,7 +240,7 @@ class Offloader:
         save waits])."""
         self._writer.release_held(self._scopes.in_forward())
         self._scopes.by_id[scope.id] = scope
-        self._budget.new_step(_now())
+        scope.tally = self._budget.new_step(_now())
 
     def _deactivate(self, *, raise_errors: bool) -> Scope:
         rec = self._scopes.active[-1]
@@ -432,6 +433,12 @@ class Offloader:
             self._counters.add(scope.stats_id, "adaptive_keep_bytes", e.nbytes)
         self._window.begin_pass(_now(), self._counters.total.resident_bytes)
         self._reader.prefetch(scope, None)
+
+
+def _learn(budget: WriteBudget, scope: Scope) -> None:
+    """A scope is forgotten: its backward is over; the write budget learns from its forward."""
+    if scope.tally is not None:
+        budget.finish(scope.tally, _now())
 
 
 def _shutdown(writer: WriteQueue, backend: Backend, handles: list) -> None:

@@ -8,13 +8,14 @@ whatever I/O they decide. Their tests drive them with made-up clocks and numbers
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
 from ssdtrain.cache import Entry, State
 
-__all__ = ["Scope", "Scopes", "KeepPolicy", "ReadWindow", "WriteBudget", "find_blocks"]
+__all__ = ["Scope", "Scopes", "KeepPolicy", "ReadWindow", "Tally", "WriteBudget", "find_blocks"]
 
 # Note [a window as small as the drive allows]: the share of a period that backward may wait on
 # reads before the read-ahead window doubles (at the next backward pass), and the share that
@@ -52,6 +53,7 @@ class Scope:
         self.top_layer: int | None = None
         self.armed = False       # backward announced, nothing unpacked yet
         self.held: Entry | None = None  # the last save, its write not queued yet (engine's Note)
+        self.tally: Tally | None = None  # its forward's, in the write budget
 
     def add(self, entry: Entry) -> None:
         self.order.append(entry)
@@ -127,10 +129,11 @@ class Scopes:
     ``off.microbatch``) as ``[pack hook, scope]`` records, innermost last (``active``; the pack
     hook is ``None`` for hooks entered by hand)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_forget: Callable[[Scope], None] | None = None) -> None:
         self.by_id: dict[Any, Scope] = {}
         self.active: list[list] = []
         self._steps = itertools.count()
+        self._on_forget = on_forget  # told of each scope forgotten (its backward is over)
 
     def new_step(self) -> Scope:
         return Scope(("step", next(self._steps)))
@@ -154,6 +157,8 @@ class Scopes:
         if scope.live_entries == 0 and self.by_id.get(scope.id) is scope and all(r[1] is not scope
                                                                                 for r in self.active):
             del self.by_id[scope.id]
+            if self._on_forget is not None:
+                self._on_forget(scope)
 
     def current(self, *, in_backward: bool) -> tuple[Scope, Scope | None]:
         """The scope saves go to now, and the step it just replaced (``None`` if none was).
@@ -222,52 +227,86 @@ class ReadWindow:
         return self.bytes + max(0, self.ceiling - (resident - ahead))
 
 
+class Tally:
+    """What one forward (a step, or a micro-batch) of the :class:`WriteBudget` did: the limit it
+    was sent under, the bytes it was allowed (``sent``; ``bound`` if the limit held some back),
+    the bytes of it written, and how long backward waited on reading it back."""
+
+    __slots__ = ("start", "limit", "sent", "bound", "written", "stall")
+
+    def __init__(self, start: float, limit: int | None) -> None:
+        self.start, self.limit = start, limit
+        self.sent, self.bound, self.written, self.stall = 0, False, 0, 0.0
+
+
 class WriteBudget:
     """How many bytes a step may send to the drive: Note [write only what comes back in time].
 
     Writes are queued in pack order and those still queued when backward begins are cancelled,
     so a step never writes more than the drive takes during forward. What it writes must also
     come back before backward needs it. That is learned, with no profiling pass: a step whose
-    backward waited on reads for more than ``DRIVE_BOUND`` of it had sent too much, and the
-    next steps may send less (in proportion to the wait, at most halved at once); a step that
-    was held back by the budget and did not wait lets it grow by a tenth. The earliest saves
-    of a step use the budget first: backward needs them last, which leaves their reads the
-    most time.
+    backward waited on reads for more than ``DRIVE_BOUND`` of a step had sent too much, and the
+    next steps may send less (what it wrote, less in proportion to the wait, at most halved at
+    once); a step that was held back by the budget and did not wait lets it grow by a tenth.
+    The earliest saves of a step use the budget first: backward needs them last, which leaves
+    their reads the most time.
+
+    Each forward has its :class:`Tally` (:meth:`new_step` opens it); the writes and the waits
+    of its saves are charged to it, and it is learned from when its backward is over
+    (:meth:`finish`). In a pipeline that is several forwards later: under 1F1B, micro-batch
+    ``i``'s backward runs after forward ``i + stages - 1``, so the micro-batches sent before a
+    change of the limit all wait, and each would halve it again (measured: 74 MiB down to 1
+    MiB, then a slow climb back and the same again, with stalls each time). Charged to the
+    forward that caused it, a wait lowers the limit to what that forward wrote, less the wait's
+    share: never below what the forward sent under the current limit warrants. A *step* is the
+    time between two forwards' starts (a pipeline's slot), the measure of a wait's cost.
     """
 
     def __init__(self, now: float, step: int) -> None:
         self.limit: int | None = None  # None: no limit learned (yet)
         self.step = step  # what the budget grows by at least, so it can grow from nothing
-        self.sent = 0
-        self.bound = False
+        self.current = Tally(now, None)  # the forward in progress
         self._start = now
-        self._stall = 0.0
-        self._written = 0
+        self._period: float | None = None  # the last step (time between two forwards' starts)
 
     def allows(self, nbytes: int) -> bool:
-        """Whether a write of ``nbytes`` fits this step's budget (and counts it if so)."""
-        if self.limit is not None and self.sent + nbytes > self.limit:
-            self.bound = True
+        """Whether a write of ``nbytes`` fits the current forward's budget (and counts it if so)."""
+        t = self.current
+        if self.limit is not None and t.sent + nbytes > self.limit:
+            t.bound = True
             return False
-        self.sent += nbytes
+        t.sent += nbytes
         return True
 
-    def stalled(self, waited: float) -> None:
-        self._stall += waited
+    def stalled(self, waited: float, tally: Tally | None = None) -> None:
+        """Backward waited ``waited`` s to read back a save of ``tally``'s forward (the current one)."""
+        (tally or self.current).stall += waited
 
-    def written(self, nbytes: int) -> None:
-        self._written += nbytes
+    def written(self, nbytes: int, tally: Tally | None = None) -> None:
+        """``nbytes`` of ``tally``'s forward (the current one) reached the drive."""
+        (tally or self.current).written += nbytes
 
-    def new_step(self, now: float) -> None:
-        """A step's forward begins: learn from the step before it (its forward and backward)."""
-        period = now - self._start
-        if period > 0 and self._stall > max(DRIVE_BOUND * period, MIN_DRIVE_STALL):
-            base = self._written if self.limit is None else min(self.limit, self._written)
-            shrink = max(BUDGET_FLOOR, 1.0 - 2.0 * self._stall / period)
-            self.limit = int(base * shrink)
-        elif self.limit is not None and self.bound and self._stall <= STALL_BUDGET * period:
-            self.limit = int(self.limit * BUDGET_GROWTH) + self.step
-        self._start, self._stall, self._written, self.sent, self.bound = now, 0.0, 0, 0, False
+    def new_step(self, now: float) -> Tally:
+        """A forward begins: returns its tally."""
+        if now > self._start:
+            self._period = now - self._start
+        self._start = now
+        self.current = Tally(now, self.limit)
+        return self.current
+
+    def finish(self, tally: Tally, now: float) -> None:
+        """``tally``'s backward is over (its saves are gone): learn from what it sent and waited."""
+        # The step this backward ends: since the current forward began (the whole step when
+        # forwards and backwards alternate; a slot under 1F1B), or the last whole one if longer.
+        period = max(now - self._start, self._period or 0.0)
+        if period <= 0:
+            return
+        if tally.stall > max(DRIVE_BOUND * period, MIN_DRIVE_STALL):
+            base = tally.written if tally.limit is None else min(tally.limit, tally.written)
+            shrink = max(BUDGET_FLOOR, 1.0 - 2.0 * tally.stall / period)
+            self.limit = int(base * shrink) if self.limit is None else min(self.limit, int(base * shrink))
+        elif tally.limit is not None and tally.bound and tally.stall <= STALL_BUDGET * period:
+            self.limit = max(self.limit, int(tally.limit * BUDGET_GROWTH) + self.step)
 
 
 class KeepPolicy:

@@ -217,7 +217,7 @@ class WriteQueue:
                 path = e.extent.path_index  # read first: written() frees a dead entry's extent
                 if self._cache.written(e, fut.result()):
                     self.completed.append(e)
-                self._budget.written(e.nbytes)
+                self._budget.written(e.nbytes, e.scope.tally)
                 if self._endurance is not None:
                     self._endurance.record(path, e.nbytes)
             elif unsettled and self._cache.write_failed(e):

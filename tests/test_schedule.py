@@ -288,10 +288,12 @@ def test_write_budget_shrinks_when_backward_waits_and_grows_back():
     def run(sent, stall):
         """One step: offers ``sent`` bytes in 1 MiB saves, waits ``stall`` s; returns the bytes allowed."""
         nonlocal t
+        tally = b.current
         allowed = sum(step for _ in range(sent // step) if b.allows(step))
-        b.written(allowed)
-        b.stalled(stall)
+        b.written(allowed, tally)
+        b.stalled(stall, tally)
         t += 10.0
+        b.finish(tally, t)  # its backward is over, then the next forward begins
         b.new_step(t)
         return allowed
 
