@@ -258,8 +258,9 @@ class WriteBudget:
     change of the limit all wait, and each would halve it again (measured: 74 MiB down to 1
     MiB, then a slow climb back and the same again, with stalls each time). Charged to the
     forward that caused it, a wait lowers the limit to what that forward wrote, less the wait's
-    share: never below what the forward sent under the current limit warrants. A *step* is the
-    time between two forwards' starts (a pipeline's slot), the measure of a wait's cost.
+    share: never below what the forward sent under the current limit warrants. Only a forward
+    sent under the limit as it stands can raise it. A *step* is the time between two forwards'
+    starts (a pipeline's slot), the measure of a wait's cost.
     """
 
     def __init__(self, now: float, step: int) -> None:
@@ -305,8 +306,10 @@ class WriteBudget:
             base = tally.written if tally.limit is None else min(tally.limit, tally.written)
             shrink = max(BUDGET_FLOOR, 1.0 - 2.0 * tally.stall / period)
             self.limit = int(base * shrink) if self.limit is None else min(self.limit, int(base * shrink))
-        elif tally.limit is not None and tally.bound and tally.stall <= STALL_BUDGET * period:
-            self.limit = max(self.limit, int(tally.limit * BUDGET_GROWTH) + self.step)
+        elif tally.limit == self.limit is not None and tally.bound and tally.stall <= STALL_BUDGET * period:
+            # Only a forward sent under the limit as it is now tested it: one sent under a higher
+            # limit since lowered, or a lower one since raised, says nothing of it.
+            self.limit = int(self.limit * BUDGET_GROWTH) + self.step
 
 
 class KeepPolicy:

@@ -310,6 +310,36 @@ def test_write_budget_shrinks_when_backward_waits_and_grows_back():
     assert run(100 * step, 0.0) == 100 * step and b.limit == limit  # not held back: unchanged
 
 
+def test_only_a_forward_sent_under_the_limit_as_it_is_can_raise_it():
+    """Pipelines report forwards late and out of step: a clean one sent under a limit lowered
+    since (by a peer that waited) must not raise it back (measured at 50 MB/s under 1F1B: the
+    limit climbed from 23 to 74 MiB while every step waited 0.3 s), nor a clean one sent under
+    a lower limit than now raise it again. A clean one sent under the current limit does."""
+    mib = 1 << 20
+    b = WriteBudget(0.0, mib)
+    b.limit = 48 * mib
+
+    def forward(now):
+        tally = b.new_step(now)
+        allowed = sum(mib for _ in range(80) if b.allows(mib))
+        assert allowed == 48 * mib and tally.bound
+        b.written(14 * mib, tally)  # the drive took 14 MiB before backward; the rest was kept
+        return tally
+
+    a, waited = forward(0.0), forward(0.1)
+    b.stalled(0.1, waited)
+    b.finish(waited, 0.3)          # half of a 0.2 s slot waited: what it wrote, halved
+    assert b.limit == 7 * mib
+    b.finish(a, 0.35)              # clean, but sent under 48 MiB: says nothing of 7 MiB
+    assert b.limit == 7 * mib
+    c = b.new_step(0.4)
+    assert sum(mib for _ in range(80) if b.allows(mib)) == 7 * mib
+    b.finish(c, 0.6)               # clean under the current limit: +10% and 1 MiB
+    assert b.limit == int(7 * mib * 1.1) + mib
+    b.finish(c, 0.7)               # (a stale report of the same forward: the limit moved on)
+    assert b.limit == int(7 * mib * 1.1) + mib
+
+
 def test_the_last_save_is_kept_for_backward(off_dir):
     """Note [the last save waits]: the last save's write never starts when backward comes next
     (it needs that tensor first); it does when another forward runs before that backward."""
