@@ -41,11 +41,13 @@ def one_f_one_b(stages: int, microbatches: int) -> list[tuple[str, int]]:
     return ops
 
 
-def run_round(model, tokens, ops, off, tag) -> float:
-    """One step of the schedule; returns its seconds."""
+def run_round(model, tokens, ops, off, tag, times=None) -> float:
+    """One step of the schedule; returns its seconds (and appends each forward's and backward's
+    to ``times["F"]`` and ``times["B"]`` if given)."""
     losses = {}
     start = time.perf_counter()
     for k, (kind, i) in enumerate(ops):
+        began = time.perf_counter()
         if kind == "F":
             if off is not None and k + 1 < len(ops) and ops[k + 1][0] == "B":
                 off.prefetch((tag, ops[k + 1][1]))  # a slot early: the backward after this forward
@@ -58,7 +60,29 @@ def run_round(model, tokens, ops, off, tag) -> float:
             if off is not None:
                 off.prefetch((tag, i))
             losses.pop(i).backward()
+        if times is not None:
+            times[kind].append(time.perf_counter() - began)
     return time.perf_counter() - start
+
+
+def predicted(args, cfg, forward_s: float, backward_s: float, handoff: int) -> dict:
+    """``ssdtrain plan``'s drive model for one micro-batch of this stage, at the measured times."""
+    from ssdtrain import plan_drive
+
+    flops = plan_drive.forward_flops(layers=cfg.layers, seq=cfg.seq, hidden=cfg.hidden, vocab=cfg.vocab,
+                                     micro_batch=args.batch)
+    saves, fwd, bwd = plan_drive.saves(
+        layers=cfg.layers, seq=cfg.seq, hidden=cfg.hidden, heads=cfg.heads, vocab=cfg.vocab, micro_batch=args.batch,
+        dtype_bytes=4, flash=cfg.flash, dropout=False, checkpoint=False, head=True,
+        tflops=flops / forward_s / 1e12, backward_tflops=2 * flops / backward_s / 1e12)
+    out = {}
+    for name, pipelined in (("pipelined", True), ("one step", False)):
+        d = plan_drive.simulate(saves, forward_s=fwd, backward_s=bwd, write_bps=args.drive_mbps * 1e6,
+                                read_bps=args.drive_mbps * 1e6, handoff_bytes=handoff, min_bytes=0,
+                                pipelined=pipelined)
+        out[name] = {"written_mib": d.written_bytes / 2**20, "free_mib": d.free_bytes / 2**20,
+                     "capacity_mib": d.capacity_bytes / 2**20}
+    return out
 
 
 def main() -> None:
@@ -85,8 +109,9 @@ def main() -> None:
     off = ssdtrain.Offloader(model, store=store, min_bytes=0)
     run_round(model, tokens, ops, None, None)  # warm-up, not reported
     rows = []
+    times = {"F": [], "B": []}
     for r in range(args.rounds):
-        base = run_round(model, tokens, ops, None, None)
+        base = run_round(model, tokens, ops, None, None, times)
         before = off.stats()
         off.reset_peak()
         t = run_round(model, tokens, ops, off, r)
@@ -112,10 +137,18 @@ def main() -> None:
               f"  {budget}")
     late = rows[len(rows) // 2:]
     print(f"second half: median ratio {statistics.median(r['ratio'] for r in late):.3f}, "
-          f"read stall {sum(r['read_stall_s'] for r in late) / len(late):.2f} s per step")
+          f"read stall {sum(r['read_stall_s'] for r in late) / len(late):.2f} s per step, "
+          f"written {statistics.mean(r['written_mib_per_mb'] for r in late):.1f} MiB per micro-batch")
+    fwd, bwd = statistics.median(times["F"]), statistics.median(times["B"])
+    handoff = 2 * off.config.chunk_bytes * off.config.io_threads
+    plan = predicted(args, cfg, fwd, bwd, handoff)
+    print(f"planner at forward {fwd * 1e3:.0f} ms, backward {bwd * 1e3:.0f} ms: " + "; ".join(
+        f"{name}: writes {v['written_mib']:.1f} MiB, frees {v['free_mib']:.1f}, carries {v['capacity_mib']:.1f}"
+        for name, v in plan.items()))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rounds": rows}, f, indent=1)
+            json.dump({"args": vars(args), "rounds": rows, "forward_s": fwd, "backward_s": bwd, "planner": plan}, f,
+                      indent=1)
 
 
 if __name__ == "__main__":

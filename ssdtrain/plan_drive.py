@@ -39,11 +39,24 @@ dimensions, the achieved compute rate and the drive, with the same rules the off
   go (backward needs them last) - the longest prefix whose reads all come in time.
 * Writes and reads are separate directions of the drive (as the bench's throttles model them).
 
-Not modelled: in a pipeline (1F1B) a micro-batch's writes may go on during other micro-batches'
-slots until its own backward; the planner counts only its own forward (conservative), on the
-first stage. A real drive serves the I/O threads' requests side by side, so a save may be done
-later than in the order above (``benchmarks/RESULTS.md``, 2026-11-24, has the measured effect). Drives for full offload are, as a sizing rule, the saved bytes of a micro-batch
-over what one drive carries in its step, ``min(B_write T_forward, B_read T_backward)``.
+* **1F1B** (``stages > 1``; the first stage, in steady state): a micro-batch's backward comes
+  ``stages - 1`` slots after its forward, each slot one forward and one backward. The drive
+  writes for every micro-batch in flight, so each gets one slot's share of it: its writes run
+  from its packs to ``T_forward + T_backward`` after its forward began, and what is not written
+  by then is kept (no tail: a write past its share takes the next micro-batch's). Its reads
+  start a slot early (``Offloader.prefetch`` before the forward that precedes its backward, as
+  the Megatron integration does), ``T_forward`` before its backward. What one micro-batch can
+  carry is then about ``min(B_write, B_read) (T_forward + T_backward)``, against the single
+  step's ``min(B_write T_forward, B_read T_backward)``. Measured (``benchmarks/pipeline_stage.py``,
+  4 stages, 80 ms forward, 150 ms backward, ``benchmarks/RESULTS.md`` 2026-11-24 19:50): the
+  engine wrote 11.7, 28.8 and 73 MiB per micro-batch at 50, 200 and 1000 MB/s, this model
+  8, 44 and 66 MiB (the engine's budget settles below the slot's capacity at 200 MB/s), the
+  single-step model 2, 12 and 65.
+
+Not modelled: a real drive serves the I/O threads' requests side by side, so a save may be done
+later than in the order above (``benchmarks/RESULTS.md``, 2026-11-24, has the measured effect);
+under 1F1B, the read-ahead window may hold reads back. Drives for full offload are, as a sizing
+rule, the saved bytes of a micro-batch over what one drive carries in its step (or slot).
 """
 
 from __future__ import annotations
@@ -157,7 +170,8 @@ class DriveStep:
     eligible_bytes: int
     """Saves of ``min_bytes`` or more, less the one held at the end (never written)."""
     capacity_bytes: float
-    """``min(B_write * T_forward, B_read * T_backward)``: what the drive could carry."""
+    """``min(B_write * T_forward, B_read * T_backward)``: what the drive could carry (under 1F1B,
+    ``min(B_write, B_read) * (T_forward + T_backward)``)."""
     free_bytes: int
     """Written during forward and read back in time: the memory offloading frees, at no cost."""
     tail_bytes: int
@@ -217,9 +231,10 @@ def _write(saves_: list[Save], queue: list[tuple[int, float]], forward_s: float,
     return done
 
 
-def _read_wait(saves_: list[Save], idx: list[int], bps: float) -> float:
-    """Backward's wait if ``idx`` (pack order) are read back in reverse from backward's start."""
-    wait, t = 0.0, 0.0
+def _read_wait(saves_: list[Save], idx: list[int], bps: float, lead_s: float = 0.0) -> float:
+    """Backward's wait if ``idx`` (pack order) are read back in reverse from ``lead_s`` before
+    backward's start."""
+    wait, t = 0.0, -lead_s
     for i in reversed(idx):
         t += saves_[i].nbytes / bps
         wait = max(wait, t - saves_[i].needed_s)
@@ -227,9 +242,12 @@ def _read_wait(saves_: list[Save], idx: list[int], bps: float) -> float:
 
 
 def simulate(saves_: list[Save], *, forward_s: float, backward_s: float, write_bps: float, read_bps: float,
-             handoff_bytes: int, min_bytes: int) -> DriveStep:
+             handoff_bytes: int, min_bytes: int, pipelined: bool = False) -> DriveStep:
     """What the offloader writes, frees and keeps of one micro-batch's ``saves_`` on a drive of
-    ``write_bps`` / ``read_bps`` bytes per second (the rules in the module docstring)."""
+    ``write_bps`` / ``read_bps`` bytes per second (the rules in the module docstring).
+
+    ``pipelined``: the micro-batch is one of a 1F1B stage's in steady state, with others' slots
+    between its forward and its backward (the module docstring's "1F1B")."""
     if not (write_bps > 0 and read_bps > 0 and handoff_bytes > 0 and min_bytes >= 0):
         raise ValueError(f"drive rates and handoff_bytes must be > 0 and min_bytes >= 0, got write_bps={write_bps!r}, "
                          f"read_bps={read_bps!r}, handoff_bytes={handoff_bytes!r}, min_bytes={min_bytes!r}")
@@ -237,21 +255,25 @@ def simulate(saves_: list[Save], *, forward_s: float, backward_s: float, write_b
     queue = _queue(saves_, eligible)
     order = [i for i, _ in queue]
     total = sum(s.nbytes for s in saves_)
-    done = _write(saves_, queue, forward_s, write_bps, handoff_bytes)
-    freed = [i for i, t in zip(order, done) if t is not None and t <= forward_s]
-    tail = sum(saves_[i].nbytes for i, t in zip(order, done) if t is not None and t > forward_s)
-    wait = _read_wait(saves_, freed, read_bps)
+    # The writes' time: until backward begins; in a pipeline, one slot's share of the drive.
+    until = forward_s + backward_s if pipelined else forward_s
+    lead = forward_s if pipelined else 0.0  # reads start a slot early, as another forward runs
+    done = _write(saves_, queue, until, write_bps, handoff_bytes)
+    freed = [i for i, t in zip(order, done) if t is not None and t <= until]
+    # A pipeline's micro-batch has no tail: a write past its slot's share takes the next one's.
+    tail = 0 if pipelined else sum(saves_[i].nbytes for i, t in zip(order, done) if t is not None and t > until)
+    wait = _read_wait(saves_, freed, read_bps, lead)
     bound = False
     tolerance = max(MIN_DRIVE_STALL, DRIVE_BOUND * (forward_s + backward_s))
     if wait > tolerance:
         # The budget: the earliest saves, as many as come back in time; nothing else is queued.
         bound, tail = True, 0
-        while freed and _read_wait(saves_, freed, read_bps) > tolerance:
+        while freed and _read_wait(saves_, freed, read_bps, lead) > tolerance:
             freed.pop()
     free = sum(saves_[i].nbytes for i in freed)
     return DriveStep(
         saved_bytes=total, eligible_bytes=sum(saves_[i].nbytes for i in order),
-        capacity_bytes=min(write_bps * forward_s, read_bps * backward_s), free_bytes=free, tail_bytes=tail,
+        capacity_bytes=min(write_bps * until, read_bps * (backward_s + lead)), free_bytes=free, tail_bytes=tail,
         written_bytes=free + tail, kept_bytes=total - free, read_wait_s=wait, budget_bound=bound,
         forward_s=forward_s, backward_s=backward_s,
     )
@@ -259,7 +281,8 @@ def simulate(saves_: list[Save], *, forward_s: float, backward_s: float, write_b
 
 def drive_step(inp, mode: str, stages: int, micro_batch: int, *, head: bool | None = None) -> DriveStep:
     """:func:`simulate` for ``inp`` (a :class:`ssdtrain.plan.Inputs`): one micro-batch of the
-    first of ``stages`` pipeline stages (the whole model, head included, when ``stages == 1``)."""
+    first of ``stages`` pipeline stages (the whole model, head included, when ``stages == 1``;
+    under 1F1B otherwise)."""
     if mode not in DRIVE_MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {DRIVE_MODES}")
     layers = math.ceil(inp.layers / stages)
@@ -270,7 +293,7 @@ def drive_step(inp, mode: str, stages: int, micro_batch: int, *, head: bool | No
         backward_tflops=inp.backward_tflops or inp.tflops)
     return simulate(list_, forward_s=fwd, backward_s=bwd, write_bps=inp.drive_gbps * inp.drives * 1e9,
                     read_bps=inp.read_gbps * inp.drives * 1e9, handoff_bytes=inp.handoff_bytes * inp.drives,
-                    min_bytes=inp.min_bytes)
+                    min_bytes=inp.min_bytes, pipelined=stages > 1)
 
 
 def _fits(inp, mode: str, p: int, b: int, m: int) -> tuple[float, DriveStep]:
@@ -370,10 +393,15 @@ def format_drive(section: dict) -> list[str]:
             f"{_gib(best['saved_bytes_per_step'])} saved; writes {_gib(best['written_bytes_per_step'])}); "
             f"{best['stages']} stage(s), micro-batch {best['micro_batch']} (max {row['max_micro_batch']}), "
             f"bubble {best['bubble_fraction']:.1%}, {best['memory_gib']:.1f} GiB/GPU, step {best['step_time_s']:.3f}s")
+        if best["stages"] > 1:
+            carry = (f"per micro-batch (1F1B): drive could carry {_gib(d['capacity_bytes'])} = min(write, read) x "
+                     f"slot {d['forward_s'] + d['backward_s']:.3f}s (forward {d['forward_s']:.3f}s + backward "
+                     f"{d['backward_s']:.3f}s)")
+        else:
+            carry = (f"per micro-batch: drive could carry {_gib(d['capacity_bytes'])} = min(write x forward "
+                     f"{d['forward_s']:.3f}s, read x backward {d['backward_s']:.3f}s)")
         lines.append(
-            f"    per micro-batch: drive could carry {_gib(d['capacity_bytes'])} = min(write x forward "
-            f"{d['forward_s']:.3f}s, read x backward {d['backward_s']:.3f}s); full offload needs "
-            f"{row['drives_for_full_offload']} drive(s) per GPU"
+            f"    {carry}; full offload needs {row['drives_for_full_offload']} drive(s) per GPU"
             + ("; reads would not come back in time: the write budget keeps the rest" if d["budget_bound"] else ""))
     return lines
 

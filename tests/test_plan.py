@@ -314,6 +314,23 @@ def test_checkpointed_saves_are_block_inputs_and_backward_recomputes():
     assert last_layer_input.needed_s == pytest.approx(2 * 2 * s * h * v * b / 2e6)
 
 
+def test_in_a_pipeline_a_micro_batch_writes_for_its_slot_and_reads_a_slot_early():
+    # 50 B/s: the writes finish at 3, 5, 7, 9. One step frees only the first (forward ends at
+    # 4.5); under 1F1B a slot is forward + backward (4.5 + 5.5 s), so all four are freed in time.
+    one = _sim(_saves(*FOUR), write_bps=50.0, backward_s=5.5)
+    piped = _sim(_saves(*FOUR), write_bps=50.0, backward_s=5.5, pipelined=True)
+    assert (one.free_bytes, one.tail_bytes) == (100, 300)
+    assert (piped.free_bytes, piped.tail_bytes, piped.kept_bytes) == (400, 0, 100)
+    assert piped.capacity_bytes == 50.0 * 10.0 and one.capacity_bytes == 50.0 * 4.5
+    # Reads at 100 B/s, each save needed as backward starts: one step waits 4 s for the 400 B
+    # and the budget keeps nearly all; read from 4.5 s before backward, they are back in time.
+    now = [0.0] * 5
+    late = _sim(_saves(*FOUR, needed=now), read_bps=100.0, backward_s=5.5)
+    early = _sim(_saves(*FOUR, needed=now), read_bps=100.0, backward_s=5.5, pipelined=True)
+    assert late.budget_bound and late.free_bytes == 0 and late.read_wait_s == pytest.approx(4.0)
+    assert not early.budget_bound and early.free_bytes == 400 and early.read_wait_s == 0
+
+
 def _bench_inp(**kw):
     """The bench model (8 layers, hidden 512, seq 512, batch 4, fp32) on one 'GPU' at ~0.2 TFLOPS."""
     base = dict(layers=8, hidden=512, heads=8, seq=512, vocab=8192, gpus=1, gpu_mem_gib=1024, global_batch=4,
@@ -338,6 +355,10 @@ def test_drive_limited_bench_model():
     assert ckpt.free_bytes / ckpt.saved_bytes > slow.free_bytes / slow.saved_bytes
     with pytest.raises(ValueError, match="unknown mode"):
         D.drive_step(_bench_inp(), "baseline", 1, 4)
+    # The first of 4 stages (2 layers, no head) under 1F1B: a slot's worth of the drive.
+    stage = D.drive_step(_bench_inp(drive_gbps=0.02), "offload", 4, 4)
+    assert stage.capacity_bytes == pytest.approx(0.02e9 * (stage.forward_s + stage.backward_s))
+    assert stage.tail_bytes == 0 and stage.free_bytes > 0.02e9 * stage.forward_s
 
 
 def test_plan_has_the_drive_limited_section():
