@@ -52,16 +52,17 @@ def _tokens():
     return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
 
 
-def _step(model, x, off):
+def _step(model, x, off, autocast=False):
     """One forward and backward (dropout seeded); the loss and every gradient, as local tensors."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(7)
-    if off is None:
-        loss = model(x, x.roll(-1, dims=1))
-    else:
-        with off:
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        if off is None:
             loss = model(x, x.roll(-1, dims=1))
-            off.wait()  # every write lands before backward: it reads them all back
+        else:
+            with off:
+                loss = model(x, x.roll(-1, dims=1))
+                off.wait()  # every write lands before backward: it reads them all back
     loss.backward()
     return loss.detach(), [_local(p.grad).clone() for p in model.parameters()]
 
@@ -107,6 +108,39 @@ def test_tensor_parallel_blocks_are_exact_with_their_dtensor_saves_written(mesh,
     without = plain.stats()
     plain.close()
     assert got.written_bytes > without.written_bytes > 0, (got.written_bytes, without.written_bytes)
+
+
+def test_sequence_parallel_blocks_under_bf16_autocast_are_exact(mesh, tmp_path):
+    """Mixed precision: the blocks' DTensor activations are bf16 and fp32 (norms); the weights'
+    bf16 casts (DTensors too) are autocast's, kept as they are (keep._is_weight_cast)."""
+    model = _tp_model(mesh, sequence_parallel=True)
+    x = _tokens()
+    want = _step(model, x, None, autocast=True)
+    off = ssdtrain.Offloader(model, path=str(tmp_path), min_bytes=0)
+    _assert_same(_step(model, x, off, autocast=True), want)
+    s = off.stats()
+    off.close()
+    assert s.written_bytes > 0 and s.read_bytes > 0
+    # Not offered to storage: the linears' bf16 weight casts (and the parameters themselves).
+    casts = sum(p.to_local().numel() * 2 for n, p in model.named_parameters()
+                if n.startswith("blocks") and n.endswith("weight") and ".w" in n)
+    every = _plain_saved_bytes(lambda: model(x, x.roll(-1, dims=1)))
+    assert every - s.saved_bytes >= casts > 0, (every, s.saved_bytes, casts)
+
+
+def _plain_saved_bytes(fn) -> int:
+    """Bytes of every save of ``fn()`` under bf16 autocast, DTensors by their local shard."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        local = t.to_local() if isinstance(t, DTensor) else t
+        total += local.numel() * local.element_size()
+        return t
+
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return total
 
 
 def test_a_dtensor_save_is_written_once_and_rebuilt_with_its_placement_views_and_dtype(mesh, tmp_path):
