@@ -2,7 +2,7 @@
 (Note [a DTensor is saved by its parts], ``ssdtrain/keep.py``).
 
 One process, a 1-rank gloo group: DTensor's dispatch, flatten and unflatten are the same code as on
-many ranks. Two ranks: ``tests/test_recipes.py::test_tensor_parallel_two_ranks``.
+many ranks. Two and four ranks: ``tests/test_recipes.py::test_tensor_parallel``.
 """
 
 from __future__ import annotations

@@ -67,62 +67,50 @@ def _offloaded(off):
     return step
 
 
-# -- DDP and FSDP2: 2 ranks, gloo ----------------------------------------------------------------------
+# -- DDP, FSDP2, tensor parallelism: 2 or 4 ranks, gloo --------------------------------------------------
+def _ranks(tmp_path, *modes: str, nproc: int = 2) -> list[dict]:
+    """Runs ``_recipes_worker.py`` for ``modes`` on ``nproc`` ranks; each rank's report."""
+    storage, out = tmp_path / "storage", tmp_path / "out"
+    storage.mkdir()
+    out.mkdir()
+    torchrun(WORKER, "--modes", *modes, "--storage", str(storage), "--out", str(out), "--timeout", "120", nproc=nproc)
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(nproc)]
+
+
+def _assert_exact(r: dict, where: tuple) -> None:
+    """One rank's run of one mode: trained, ``torch.equal`` to the run without offloading, bytes
+    written, no file left; for the tensor-parallel modes, more written than with DTensors kept."""
+    assert r["names"] and r["trained"], (where, r)
+    assert r["differ"] == [], f"{where}: parameters differ: {r['differ']}"
+    assert r["written_bytes"] > 0, (where, r)
+    if "written_bytes_dtensors_kept" in r:
+        assert r["differ_dtensors_kept"] == [], (where, r)
+        assert r["written_bytes"] > r["written_bytes_dtensors_kept"] > 0, (where, r)
+    assert r["left_behind"] == [], where
+
+
 @pytest.mark.slow
 def test_ddp_and_fsdp2_two_ranks(tmp_path):
     pytest.importorskip("torch.distributed.fsdp")
     gloo_or_skip()
-    storage, out = tmp_path / "storage", tmp_path / "out"
-    storage.mkdir()
-    out.mkdir()
-    torchrun(WORKER, "--modes", "ddp", "fsdp2", "--storage", str(storage), "--out", str(out), "--timeout", "120")
-    for rank in range(2):
-        rep = json.loads((out / f"rank{rank}.json").read_text())
+    for rank, rep in enumerate(_ranks(tmp_path, "ddp", "fsdp2")):
         for mode in ("ddp", "fsdp2"):
-            r = rep[mode]
-            assert r["names"] and r["trained"], (rank, mode, r)
-            assert r["differ"] == [], f"rank {rank}, {mode}: parameters differ: {r['differ']}"
-            assert r["written_bytes"] > 0, (rank, mode)
-            assert r["left_behind"] == [], (rank, mode)
+            _assert_exact(rep[mode], (rank, mode))
 
 
 @pytest.mark.slow
-def test_tensor_parallel_two_ranks(tmp_path):
+@pytest.mark.parametrize("modes, nproc", [(("tp", "tp_sp"), 2), (("fsdp2_tp_sp",), 4)],
+                         ids=["two_ranks", "fsdp2_2x2"])
+def test_tensor_parallel(tmp_path, modes, nproc):
     """torch's tensor parallelism (``parallelize_module``), with and without sequence
-    parallelism: exact, and the DTensor saves are written too (the run that keeps them in
-    memory writes less)."""
-    pytest.importorskip("torch.distributed.tensor.parallel")
-    gloo_or_skip()
-    storage, out = tmp_path / "storage", tmp_path / "out"
-    storage.mkdir()
-    out.mkdir()
-    torchrun(WORKER, "--modes", "tp", "tp_sp", "--storage", str(storage), "--out", str(out), "--timeout", "120")
-    for rank in range(2):
-        rep = json.loads((out / f"rank{rank}.json").read_text())
-        for mode in ("tp", "tp_sp"):
-            r = rep[mode]
-            assert r["names"] and r["trained"], (rank, mode, r)
-            assert r["differ"] == [] and r["differ_dtensors_kept"] == [], (rank, mode, r)
-            assert r["written_bytes"] > r["written_bytes_dtensors_kept"] > 0, (rank, mode, r)
-            assert r["left_behind"] == [], (rank, mode)
-
-
-@pytest.mark.slow
-def test_fsdp2_with_tensor_and_sequence_parallelism_four_ranks(tmp_path):
-    """torchtitan's 2-D layout on a (2 x 2) mesh: TP and SP inside, FSDP2 across."""
+    parallelism, and inside FSDP2 on a 2 x 2 mesh (torchtitan's 2-D layout): exact, and the
+    DTensor saves are written too (the run that keeps them in memory writes less)."""
     pytest.importorskip("torch.distributed.tensor.parallel")
     pytest.importorskip("torch.distributed.fsdp")
     gloo_or_skip()
-    storage, out = tmp_path / "storage", tmp_path / "out"
-    storage.mkdir()
-    out.mkdir()
-    torchrun(WORKER, "--modes", "fsdp2_tp_sp", "--storage", str(storage), "--out", str(out), "--timeout", "120", nproc=4)
-    for rank in range(4):
-        r = json.loads((out / f"rank{rank}.json").read_text())["fsdp2_tp_sp"]
-        assert r["names"] and r["trained"], (rank, r)
-        assert r["differ"] == [] and r["differ_dtensors_kept"] == [], (rank, r)
-        assert r["written_bytes"] > r["written_bytes_dtensors_kept"] > 0, (rank, r)
-        assert r["left_behind"] == [], rank
+    for rank, rep in enumerate(_ranks(tmp_path, *modes, nproc=nproc)):
+        for mode in modes:
+            _assert_exact(rep[mode], (rank, mode))
 
 
 # -- one process --------------------------------------------------------------------------------------
