@@ -232,10 +232,10 @@ class Tally:
     was sent under, the bytes it was allowed (``sent``; ``bound`` if the limit held some back),
     the bytes of it written, and how long backward waited on reading it back."""
 
-    __slots__ = ("start", "limit", "sent", "bound", "written", "stall")
+    __slots__ = ("limit", "sent", "bound", "written", "stall")
 
-    def __init__(self, start: float, limit: int | None) -> None:
-        self.start, self.limit = start, limit
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
         self.sent, self.bound, self.written, self.stall = 0, False, 0, 0.0
 
 
@@ -266,7 +266,7 @@ class WriteBudget:
     def __init__(self, now: float, step: int) -> None:
         self.limit: int | None = None  # None: no limit learned (yet)
         self.step = step  # what the budget grows by at least, so it can grow from nothing
-        self.current = Tally(now, None)  # the forward in progress
+        self.current = Tally(None)  # the forward in progress
         self._start = now
         self._period: float | None = None  # the last step (time between two forwards' starts)
 
@@ -292,7 +292,7 @@ class WriteBudget:
         if now > self._start:
             self._period = now - self._start
         self._start = now
-        self.current = Tally(now, self.limit)
+        self.current = Tally(self.limit)
         return self.current
 
     def finish(self, tally: Tally, now: float) -> None:
