@@ -173,14 +173,20 @@ def as_is(t: torch.Tensor, pinned: frozenset[int], in_kept_module: bool) -> bool
         return True  # no real storage (functional / fake tensors)
 
 
+def parts(t: torch.Tensor) -> tuple[dict[str, Any], Any]:
+    """A subclass tensor's parts by name (tensors, and objects such as a DeviceMesh) and the
+    context ``__tensor_unflatten__`` takes back: its ``__tensor_flatten__``, read once here."""
+    names, ctx = t.__tensor_flatten__()
+    return {name: getattr(t, name) for name in names}, ctx
+
+
 def storage_keys(tensors: Iterator[torch.Tensor]) -> frozenset[int]:
     """The storage keys of ``tensors`` (parameters, buffers), and of their parts for the
     subclasses saved by parts (a DTensor parameter's local shard)."""
     keys = set()
     for t in tensors:
         if by_parts(t):
-            names, _ = t.__tensor_flatten__()
-            keys.update(storage_keys(p for p in (getattr(t, n) for n in names) if isinstance(p, torch.Tensor)))
+            keys.update(storage_keys(p for p in parts(t)[0].values() if isinstance(p, torch.Tensor)))
             continue
         try:
             keys.add(t.untyped_storage()._cdata)

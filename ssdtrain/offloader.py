@@ -308,8 +308,7 @@ class Offloader:
 
     def _pack_parts(self, t: torch.Tensor) -> Any:
         """Note [a DTensor is saved by its parts]: each tensor part packed as a save of its own."""
-        names, ctx = t.__tensor_flatten__()
-        parts = {name: getattr(t, name) for name in names}
+        parts, ctx = keep.parts(t)
         packed = {name: self._pack(p) for name, p in parts.items() if isinstance(p, torch.Tensor)}
         if all(isinstance(ref, torch.Tensor) for ref in packed.values()):
             return keep.alias(t)  # every part stays in memory: so does the whole

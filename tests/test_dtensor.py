@@ -73,15 +73,18 @@ def _assert_same(a, b):
     assert not differ, f"gradients differ: {differ}"
 
 
-def _saves_by_type(fn) -> dict[str, int]:
-    """What ``fn()`` saves for backward, by type, without offloading."""
+def _saves(fn, autocast: bool = False) -> dict[str, int]:
+    """What ``fn()`` saves for backward without offloading: bytes by type (a DTensor's by its
+    local shard), under bf16 autocast if ``autocast``."""
     seen: dict[str, int] = {}
 
     def pack(t):
-        seen[type(t).__name__] = seen.get(type(t).__name__, 0) + 1
+        local = t.to_local() if isinstance(t, DTensor) else t
+        seen[type(t).__name__] = seen.get(type(t).__name__, 0) + local.numel() * local.element_size()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn()
     return seen
 
@@ -91,7 +94,7 @@ def test_tensor_parallel_blocks_are_exact_with_their_dtensor_saves_written(mesh,
                                                                          sequence_parallel):
     model = _tp_model(mesh, sequence_parallel)
     x = _tokens()
-    assert _saves_by_type(lambda: model(x, x)).get("DTensor", 0) > 0, "no DTensor saved: the test proves nothing"
+    assert _saves(lambda: model(x, x)).get("DTensor", 0) > 0, "no DTensor saved: the test proves nothing"
     want = _step(model, x, None)
     off = ssdtrain.Offloader(model, path=str(tmp_path / "a"), min_bytes=0)
     for _ in range(2):
@@ -124,23 +127,8 @@ def test_sequence_parallel_blocks_under_bf16_autocast_are_exact(mesh, tmp_path):
     # Not offered to storage: the linears' bf16 weight casts (and the parameters themselves).
     casts = sum(p.to_local().numel() * 2 for n, p in model.named_parameters()
                 if n.startswith("blocks") and n.endswith("weight") and ".w" in n)
-    every = _plain_saved_bytes(lambda: model(x, x.roll(-1, dims=1)))
+    every = sum(_saves(lambda: model(x, x.roll(-1, dims=1)), autocast=True).values())
     assert every - s.saved_bytes >= casts > 0, (every, s.saved_bytes, casts)
-
-
-def _plain_saved_bytes(fn) -> int:
-    """Bytes of every save of ``fn()`` under bf16 autocast, DTensors by their local shard."""
-    total = 0
-
-    def pack(t):
-        nonlocal total
-        local = t.to_local() if isinstance(t, DTensor) else t
-        total += local.numel() * local.element_size()
-        return t
-
-    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return total
 
 
 def test_a_dtensor_save_is_written_once_and_rebuilt_with_its_placement_views_and_dtype(mesh, tmp_path):
