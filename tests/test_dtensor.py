@@ -7,13 +7,15 @@ many ranks. Two and four ranks: ``tests/test_recipes.py::test_tensor_parallel``.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
 
 import ssdtrain
 from _recipes_worker import SEQ, VOCAB, TinyGPT, TPBlock, tensor_parallel
-from ssdtrain import keep
+from ssdtrain import StorageError, keep
 
 dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
@@ -316,3 +318,82 @@ def test_a_dtensor_save_is_unpacked_again_in_a_second_backward(mesh, tmp_path):
             assert off.stats().read_bytes > 0
             off.close()
     assert torch.equal(grads[0], grads[1])
+
+
+def test_dtensor_micro_batches_backward_in_either_order_are_exact(mesh, tmp_path, monkeypatch):
+    """Two micro-batches' forwards in their own scopes, backwards in reverse order, each after
+    ``prefetch``: exact, with the DTensor shards written (more than with DTensors kept)."""
+    model = _tp_model(mesh, sequence_parallel=True)
+    xs = [_tokens(), _tokens().roll(3, dims=1)]
+
+    def run(off):
+        model.zero_grad(set_to_none=True)
+        losses = []
+        for i, x in enumerate(xs):
+            torch.manual_seed(7 + i)
+            with off.microbatch(i) if off is not None else contextlib.nullcontext():
+                losses.append(model(x, x.roll(-1, dims=1)))
+        if off is not None:
+            off.wait()
+        for i in (1, 0):
+            if off is not None:
+                off.prefetch(i)
+            losses[i].backward()
+        return [_local(p.grad).clone() for p in model.parameters()]
+
+    want = run(None)
+    written = []
+    for by_parts in (keep._BY_PARTS, ()):
+        monkeypatch.setattr(keep, "_BY_PARTS", by_parts)
+        off = ssdtrain.Offloader(model, path=str(tmp_path / f"{len(written)}"), min_bytes=0)
+        got = run(off)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        written.append(off.stats().written_bytes)
+        assert off.stats().read_bytes > 0
+        off.close()
+    assert written[0] > written[1], written
+
+
+def _dtensor_forward(a):
+    """Saves DTensors only: tanh's output (fp32) and the bf16 product's two inputs (one through views)."""
+    h = torch.tanh(a)
+    return (h.to(torch.bfloat16) * h.to(torch.bfloat16).t().t()).float().sum()
+
+
+def test_a_failing_drive_under_dtensor_saves_keeps_them_or_raises(mesh, tmp_path, monkeypatch):
+    """Note [a failing drive does not corrupt training], for saves taken apart: with every third
+    write failing, ``on_error="keep"`` keeps those shards and backward is exact; a failed read
+    raises and never hands back garbage. Only DTensors are saved, so every write and read here
+    is of a shard."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from test_hardening import _inject_io
+
+    a0 = distribute_tensor(torch.randn(256, 256), mesh, [Shard(0)])
+
+    def grad(off):
+        a = a0.detach().requires_grad_()
+        if off is None:
+            loss = _dtensor_forward(a)
+        else:
+            with off:
+                loss = _dtensor_forward(a)
+                off.wait()
+        loss.backward()
+        return a.grad.to_local()
+
+    want = grad(None)
+    with monkeypatch.context() as m:
+        _inject_io(m, "write", lambda n: n % 3 == 0, "eio")
+        off = ssdtrain.Offloader(path=str(tmp_path / "w"), min_bytes=0, on_error="keep")
+        with pytest.warns(RuntimeWarning, match="a write failed"):
+            assert torch.equal(grad(off), want)
+        assert off.stats().failed_writes > 0 and off.stats().written_bytes > 0
+        off.close()
+    with monkeypatch.context() as m:
+        _inject_io(m, "read", lambda n: n == 1, "eio")
+        off = ssdtrain.Offloader(path=str(tmp_path / "r"), min_bytes=0)
+        with pytest.raises(StorageError, match="could not read a saved activation back"):
+            grad(off)
+        assert off.stats().failed_reads >= 1
+        off.close()
