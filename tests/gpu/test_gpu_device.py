@@ -3,7 +3,6 @@ device, and an I/O path that does not serialise with compute."""
 
 from __future__ import annotations
 
-import ctypes
 import subprocess
 import sys
 import textwrap
@@ -21,14 +20,31 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 CUDA = torch.device("cuda", 0)
 
 
-def _stream_flags(handle: int) -> int:
-    lib = ctypes.CDLL("libcuda.so.1")
-    flags = ctypes.c_uint()
-    assert lib.cuStreamGetFlags(ctypes.c_void_p(handle), ctypes.byref(flags)) == 0
-    return flags.value
+def _waits_for_the_default_stream(stream: torch.cuda.Stream, sleep) -> bool:
+    """Whether work queued on ``stream`` waits for the legacy default stream (a blocking stream
+    does; a non-blocking one does not), told by behaviour: the default stream spins for 300 ms
+    while ``stream`` runs a tiny kernel; when that kernel is done, is the spin still going?"""
+    def tiny_kernel():
+        torch.ones(1, device=CUDA).add_(1)
+
+    with torch.cuda.stream(stream):  # load the kernels and take the memory first: a lazy module
+        tiny_kernel()                # load or a cudaMalloc may wait for the whole device
+    torch.cuda.synchronize()
+    default = torch.cuda.default_stream(CUDA)
+    assert default.cuda_stream == 0  # torch computes on the legacy default stream
+    with torch.cuda.stream(default):
+        sleep(300)
+    with torch.cuda.stream(stream):
+        tiny_kernel()
+        done = torch.cuda.Event()
+        done.record(stream)
+    done.synchronize()
+    waited = default.query()  # the spin is over: the tiny kernel was queued behind it
+    torch.cuda.synchronize()
+    return waited
 
 
-def test_side_streams_are_our_own_and_non_blocking():
+def test_side_streams_are_our_own_and_non_blocking(sleep):
     # Note [a side stream of our own]
     got = {}
 
@@ -48,7 +64,11 @@ def test_side_streams_are_our_own_and_non_blocking():
     assert mine not in pool
     # The three threads ended: their streams were given back and are handed out again.
     assert len(set(got.values())) >= 1 and all(h not in pool for h in got.values())
-    assert _stream_flags(mine) & 1 == 1  # CU_STREAM_NON_BLOCKING
+    assert not _waits_for_the_default_stream(device.side_stream(CUDA), sleep)
+    # The check tells a blocking stream: one made the same way without the non-blocking flag.
+    blocking = device._DriverStreams()
+    blocking.CU_STREAM_NON_BLOCKING = 0
+    assert _waits_for_the_default_stream(torch.cuda.ExternalStream(blocking.take(0), device=CUDA), sleep)
 
 
 def test_streams_of_ended_threads_are_reused():
