@@ -245,11 +245,13 @@ def test_a_gpu_gets_the_gpu_preset_and_a_model_it_cannot_hold_is_refused_first(m
     assert command.preset_name(True, "cuda") == "quick"  # --quick wins, and resolves nothing
     assert command.preset_name(False, "cpu") == "default"
     cpu = command.args_from_cli(command._parser().parse_args(["--device", "cpu"]))
-    assert cpu.model == preset("default") and cpu.probe_bytes == 256 << 20
+    assert cpu.model == preset("default") and cpu.probe_bytes == 256 << 20 and cpu.steps == 3
     monkeypatch.setattr(command, "resolve_device", lambda name: torch.device("cuda", 0))
     assert command.preset_name(False, "auto") == "gpu"
     gpu = command.args_from_cli(command._parser().parse_args(["--layers", "2"]))
     assert gpu.model == preset("gpu").replace(layers=2) and gpu.probe_bytes == 1 << 30 and gpu.batch == 4
+    assert gpu.steps == 10  # short GPU steps: more rounds, steadier ratios
+    assert command.args_from_cli(command._parser().parse_args(["--steps", "2"])).steps == 2
     # The timed rounds hold every mode's model and AdamW state (3 x 2 bytes a parameter in bf16)
     # side by side: the GPU preset with its five modes needs more than 24 GiB, less than 40.
     gib = 1 << 30
