@@ -27,7 +27,7 @@ from ssdtrain import device, keep
 from ssdtrain.cache import Cache, Entry, Parts, Ref, State, byte_span, entry_span, rebuild
 from ssdtrain.config import OffloadConfig
 from ssdtrain.endurance import EnduranceMonitor
-from ssdtrain.schedule import KeepPolicy, ReadWindow, Scope, Scopes, WriteBudget, find_blocks
+from ssdtrain.schedule import DriveAdvice, KeepPolicy, ReadWindow, Scope, Scopes, WriteBudget, find_blocks
 from ssdtrain.stats import Counters, OffloadStats
 from ssdtrain.store import Backend, StorageError, make_backend
 from ssdtrain.store._mem import profiled
@@ -84,6 +84,7 @@ class Offloader:
             self._endurance = EnduranceMonitor(list(config.paths), config.rated_tbw, config.endurance_horizon_days)
         self._failures = WriteFailures(config.on_error)
         self._budget = WriteBudget(_now(), 1 << 20)
+        self._advice = DriveAdvice()
         self._policy = KeepPolicy(min_bytes=config.min_bytes, when_full=config.when_full, budget=self._budget,
                                   keep_from_layer=len(self._blocks) - config.keep_last_layers
                                   if config.keep_last_layers else None)
@@ -255,6 +256,13 @@ class Offloader:
         self._writer.pump()
         if self._endurance is not None:  # once per step or micro-batch: it stats the drives
             msg = self._endurance.check()
+            if msg:
+                warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        if not self._advice.given:  # Note [say when the drive carries little]
+            with self._lock:
+                t = self._counters.total
+                msg = self._advice.observe(t.unique_bytes, t.written_bytes,
+                                           t.budget_kept_bytes + t.adaptive_keep_bytes)
             if msg:
                 warnings.warn(msg, RuntimeWarning, stacklevel=3)
         self._safe_point(raise_errors=raise_errors)

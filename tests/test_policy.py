@@ -11,7 +11,7 @@ from torch import nn
 
 import ssdtrain
 from ssdtrain.config import OffloadConfig
-from ssdtrain.schedule import WriteBudget
+from ssdtrain.schedule import DriveAdvice, WriteBudget
 from ssdtrain.store.memory import MemoryBackend
 from ssdtrain.store.throttle import ThrottledBackend
 
@@ -175,3 +175,60 @@ def test_each_micro_batch_is_learned_from_once_its_backward_is_over(monkeypatch)
                       ("F", 4), ("B", 2), ("learn", 2), ("B", 3), ("learn", 3), ("B", 4), ("learn", 4)], events
     for i, tally in tallies.items():
         assert tally.written == per_mb[i]["written_bytes"] > 0, (i, tally.written, per_mb[i])
+
+
+def test_drive_advice_speaks_once_when_the_drive_takes_little_and_the_drive_is_why():
+    # Note [say when the drive carries little]: running totals (saved, written, kept for the
+    # drive) at each forward's end, 100 MiB saved per forward; per_forward in MiB.
+    mib = 1 << 20
+
+    def feed(advice, per_forward, forwards):
+        said = []
+        u = w = k = 0.0
+        for _ in range(forwards):
+            u, w, k = u + 100 * mib, w + per_forward[0] * mib, k + per_forward[1] * mib
+            said.append(advice.observe(u, w, k))
+        return said
+
+    said = feed(DriveAdvice(), (2, 98), 12)        # 2% written, the rest kept by the budget
+    assert said[:7] == [None] * 7                  # the budget is given 8 forwards to settle
+    msg = said[7]
+    assert msg and "2.0% of what the last 4 forwards saved" in msg and "(2.0 MiB of 100.0 MiB per forward)" in msg
+    assert "checkpoint" in msg and "ssdtrain plan" in msg
+    assert said[8:] == [None] * 4                  # once
+    assert feed(DriveAdvice(), (6, 94), 20) == [None] * 20  # 6%: the drive takes a share worth having
+    assert feed(DriveAdvice(), (1, 30), 20) == [None] * 20  # kept mostly for another reason (min_bytes)
+    assert feed(DriveAdvice(), (0, 0), 20) == [None] * 20   # nothing offloadable saved at all...
+    advice = DriveAdvice()
+    assert [advice.observe(0, 0, 0) for _ in range(20)] == [None] * 20  # ...or nothing saved
+
+
+def test_an_offloader_warns_once_when_its_drive_takes_little(recwarn):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.GELU()) for _ in range(8)])
+    x = torch.randn(512, 1024)
+    loss_fn = lambda: model(x).sum()  # noqa: E731
+    base = step(model, loss_fn, None)
+    # A drive that writes 2 MB/s: a step saves 32 MiB in tens of milliseconds, so nearly all of
+    # it is still queued when backward begins and is kept (adaptive keep). Reads are fast.
+    cfg = OffloadConfig(backend="memory", chunk_bytes=1 << 20, io_threads=1, min_bytes=0)
+    slow = ThrottledBackend(MemoryBackend(cfg), write_bps=2e6, read_bps=1e12)
+    off = ssdtrain.Offloader(model, config=cfg, store=slow)
+    for i in range(12):
+        assert_same(base, step(model, loss_fn, off))
+        said = [w for w in recwarn.list if "the drive took" in str(w.message)]
+        assert len(said) == (0 if i < 7 else 1), (i, [str(w.message) for w in recwarn.list])
+    assert said[0].category is RuntimeWarning and said[0].filename.endswith("_equiv.py")  # points at the `with off:`
+    s = off.stats()
+    assert s.written_bytes < 0.05 * s.unique_bytes and s.adaptive_keep_bytes + s.budget_kept_bytes > s.unique_bytes / 2
+    off.close()
+    slow.close()
+    # The same model on a drive that keeps up (every write lands before backward): nothing is said.
+    fast = ThrottledBackend(MemoryBackend(cfg), write_bps=1e12, read_bps=1e12)
+    off = ssdtrain.Offloader(model, config=cfg, store=fast)
+    for _ in range(12):
+        assert_same(base, step(model, loss_fn, off, wait=True))
+    assert not [w for w in recwarn.list if "the drive took" in str(w.message) and w not in said]
+    assert off.stats().written_bytes > 0.5 * off.stats().unique_bytes
+    off.close()
+    fast.close()
