@@ -21,3 +21,18 @@ def off_dir(tmp_path):
     d = tmp_path / "offload"
     d.mkdir()
     return d
+
+
+@pytest.fixture
+def deterministic():
+    """torch's deterministic mode, for this test only (inductor then emits no racing reductions,
+    e.g. the embedding's scatter-add in backward)."""
+    import torch
+    import torch._dynamo
+
+    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    torch._dynamo.reset()
+    yield
+    torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+    torch._dynamo.reset()

@@ -397,3 +397,21 @@ def test_a_failing_drive_under_dtensor_saves_keeps_them_or_raises(mesh, tmp_path
             grad(off)
         assert off.stats().failed_reads >= 1
         off.close()
+
+
+# Inductor's CPU code generation still imports a torch.jit helper.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp_sp"])
+def test_compiled_tensor_parallel_blocks_offload_exactly(mesh, tmp_path, deterministic, sequence_parallel):
+    # torch.compile (as torchtitan runs TP): AOTAutograd takes the DTensors apart itself, so the
+    # compiled graph saves their local tensors, plain ones, which are offloaded as any save.
+    model = _tp_model(mesh, sequence_parallel)
+    compiled = torch.compile(model)
+    x = _tokens()
+    want = _step(compiled, x, None)
+    off = ssdtrain.Offloader(model, path=str(tmp_path), min_bytes=0)
+    for _ in range(2):
+        _assert_same(want, _step(compiled, x, off))
+    s = off.stats()
+    assert s.written_bytes > 0 and s.read_bytes == s.written_bytes, s
+    off.close()

@@ -142,18 +142,6 @@ def test_activation_checkpointing(gpt, tmp_path, use_reentrant):
     full.close()
 
 
-@pytest.fixture
-def deterministic():
-    """torch's deterministic mode, for this test only (inductor then emits no racing reductions,
-    e.g. the embedding's scatter-add in backward)."""
-    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True)
-    torch._dynamo.reset()
-    yield
-    torch.use_deterministic_algorithms(was[0], warn_only=was[1])
-    torch._dynamo.reset()
-
-
 # Inductor's CPU code generation still imports a torch.jit helper.
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_torch_compile(tmp_path, deterministic):
