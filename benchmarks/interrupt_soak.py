@@ -1,6 +1,9 @@
 """Stress: KeyboardInterrupts at random moments of training (SIGALRM), then wait() and close().
 
-    python benchmarks/interrupt_soak.py [--seeds 20] [--path DIR]
+    python benchmarks/interrupt_soak.py [--seeds 20] [--path DIR] [--min-bytes N]
+
+``--min-bytes 4096`` makes the LayerNorms' statistics small saves (Note [a small save skips the
+cache]) beside the activations that go to the drive.
 
 Prints, per seed, the interrupts that landed and what was left: live entries, resident and disk
 bytes, drive space retired (``lost_bytes``), files. A seed that hangs is killed after 100 s, with
@@ -29,7 +32,7 @@ torch.manual_seed(0)
 model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(),
                                                   torch.nn.LayerNorm(256)) for _ in range(6)])
 x = torch.randn(256, 256)
-off = ssdtrain.Offloader(model, path=sys.argv[1], min_bytes=0, chunk_bytes="64KiB", io_threads=1)
+off = ssdtrain.Offloader(model, path=sys.argv[1], min_bytes=int(sys.argv[3]), chunk_bytes="64KiB", io_threads=1)
 
 armed = [False]  # one interrupt per step, and none once the step is over (a late timer)
 
@@ -69,12 +72,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, default=20)
     p.add_argument("--path", default=None)
+    p.add_argument("--min-bytes", type=int, default=0)
     ns = p.parse_args(argv)
     bad = 0
     for seed in range(1, ns.seeds + 1):
         d = tempfile.mkdtemp(dir=ns.path)
         try:
-            out = subprocess.run([sys.executable, "-c", CHILD, d, str(seed)], capture_output=True, text=True,
+            out = subprocess.run([sys.executable, "-c", CHILD, d, str(seed), str(ns.min_bytes)], capture_output=True, text=True,
                                  timeout=120)
             line = out.stdout.strip().splitlines()[-1] if out.returncode == 0 and out.stdout.strip() else None
             r = json.loads(line) if line else {"error": out.stderr.strip().splitlines()[-1:]}

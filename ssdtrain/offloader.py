@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ssdtrain import device, keep
-from ssdtrain.cache import Cache, Entry, Parts, Ref, State, byte_span, entry_span, rebuild
+from ssdtrain.cache import Cache, Entry, Parts, Ref, Small, State, byte_span, entry_span, rebuild
 from ssdtrain.config import OffloadConfig
 from ssdtrain.endurance import EnduranceMonitor
 from ssdtrain.schedule import DriveAdvice, KeepPolicy, ReadWindow, Scope, Scopes, WriteBudget, find_blocks
@@ -79,6 +79,7 @@ class Offloader:
         self._counters = Counters()
         self._cache = Cache(self._counters, self._backend.free)
         self._entries = self._cache.entries
+        self._small_bytes = config.min_bytes  # smaller storages: Note [a small save skips the cache]
         self._endurance = None
         if self.backend in ("posix", "kvikio"):
             self._endurance = EnduranceMonitor(list(config.paths), config.rated_tbw, config.endurance_horizon_days)
@@ -291,6 +292,12 @@ class Offloader:
             return keep.alias(t)
         if type(t) is not torch.Tensor:
             return self._pack_parts(t)
+        storage = t.untyped_storage()
+        if storage.nbytes() < self._small_bytes:  # Note [a small save skips the cache]
+            self._check_open()
+            scope = self._step_scope()
+            with self._lock:
+                return self._cache.small.add(t, storage, scope.stats_id)
         with profiled("ssdtrain.pack"):
             self._check_open()
             self._safe_point(raise_errors=True)
@@ -356,7 +363,7 @@ class Offloader:
 
     # -- safe points -----------------------------------------------------------------------------
     def _safe_point(self, *, raise_errors: bool) -> None:
-        if self._graveyard or self._writer.completed or self._cache.late:
+        if self._graveyard or self._writer.completed or self._cache.late or self._cache.small.dead:
             self._drain()
         self._failures.surface(raise_errors=raise_errors)
 
@@ -369,6 +376,7 @@ class Offloader:
         check is exact; only then is the in-memory copy dropped.
         """
         with self._lock:
+            self._cache.small.settle()
             self._cache.free_late()
             while self._graveyard:
                 # Given back before it leaves the graveyard: an interrupt in between leaves it
@@ -396,6 +404,8 @@ class Offloader:
     def _unpack(self, ref: Any) -> torch.Tensor:
         if isinstance(ref, torch.Tensor):
             return ref
+        if type(ref) is Small:
+            return ref.unpack()
         if type(ref) is Parts:
             return ref.rebuild(self._unpack)
         with profiled("ssdtrain.unpack"):
