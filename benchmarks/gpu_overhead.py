@@ -1,15 +1,21 @@
 """Where an offloaded GPU step's extra time goes: host CPU of the saved-tensor hooks, or a wait
-on the device. Runs the bench's GPT on CUDA and, per mode, reports:
+on the device. Runs the bench's GPT on CUDA and, per mode (baseline; offload; count-only, hooks
+that only count), reports:
 
+* ``host ms per step``: the training thread's wall time in forward, backward and the optimizer,
+  and within them in the offloader's pack and unpack hooks;
 * ``step``: synchronized step time (median), as the bench;
-* ``host``: the training thread's time to *queue* forward and backward while the device is held
-  busy by a spin kernel queued first (``torch.cuda._sleep``). If the hooks never wait for the
-  device, queueing finishes long before the spin ends; a hook that synchronises makes it wait
-  for the spin;
 * ``cpu``: the training thread's CPU seconds per step (``time.thread_time``);
-* the top of a cProfile of offloaded steps.
+* ``host while device spins``: the time to *queue* a step while the device is held busy by a
+  spin kernel queued first (``torch.cuda._sleep``). If no hook waits for the device, queueing
+  ends long before the spin does;
+* optionally the top of a cProfile of offloaded steps (``--profile N``; on Python 3.12 it counts
+  every thread), every thread's Python stack a set time into a step queued behind the spin
+  (``--dump-after S``), and their native stacks through ``cuda-gdb`` (``--native-stacks FILE``).
 
-    python benchmarks/gpu_overhead.py [--layers 8 --hidden 256 ...] [--backend memory]
+    python benchmarks/gpu_overhead.py [--layers 8 --hidden 256 ...] [--backend posix] [--path DIR]
+
+First run on an H100, 2026-11-24: benchmarks/RESULTS.md ("The first GPU run").
 """
 
 from __future__ import annotations
@@ -59,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dump-after", type=float, default=0.0,
                     help="seconds into a step queued behind the spin: print every thread's stack (0: never)")
     a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_overhead: needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
     if a.switch_interval:
         sys.setswitchinterval(a.switch_interval)
     dev = torch.device("cuda")
