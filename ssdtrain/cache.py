@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = ["State", "Entry", "Ref", "Parts", "Small", "SmallSaves", "StorageIndex", "Cache", "byte_span", "entry_span", "rebuild", "byte_view"]
+__all__ = ["State", "Entry", "Ref", "Parts", "Small", "SmallSaves", "StorageIndex", "Cache", "byte_span", "entry_span",
+           "rebuild", "byte_view"]
 
 # The widest element (complex128): entry spans start on a multiple of it, so every view of the
 # storage, whatever its dtype, lands on a whole element of the rebuilt buffer.

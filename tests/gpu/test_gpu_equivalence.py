@@ -122,6 +122,36 @@ def test_slow_streams_steps_and_microbatches(backend, dtype, second_stream, orde
 
 
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+def test_small_saves_beside_offloaded_ones(backend, tmp_path, sleep):
+    # Note [a small save skips the cache] on a GPU: min_bytes between the norms' statistics (2 KiB)
+    # and the activations (128 KiB), so one step holds both kinds; two streams, sleeps, two
+    # micro-batches backward in reverse order.
+    name, setup = backend
+    torch.manual_seed(0)
+    model = _Net(torch.bfloat16, sleep, second_stream=True, ms=20)
+    xs = [torch.randn(8, 64, 128, device=CUDA, dtype=torch.bfloat16) for _ in range(2)]
+    want = _run(model, xs, None, order=(1, 0), wait=False)
+    again = _run(model, xs, None, order=(1, 0), wait=False)
+    assert all(torch.equal(a, b) for a, b in zip(want, again)), "not deterministic without offloading"
+    with setup():
+        off = ssdtrain.Offloader(model, path=str(tmp_path), backend=name, min_bytes=16 << 10)
+    smalls = []
+    real_add = off._cache.small.add
+    off._cache.small.add = lambda t, *a: smalls.append(t.device) or real_add(t, *a)
+    try:
+        for step in range(3):
+            got = _run(model, xs, off, order=(1, 0), wait=step % 2 == 0)
+            for i, (a, b) in enumerate(zip(want, got)):
+                assert torch.equal(a, b), f"step {step}: gradient {i} differs (max abs {(a - b).abs().max()})"
+        off.wait()
+        s = off.stats()
+        assert smalls and all(d.type == "cuda" for d in smalls)
+        assert s.written_bytes > 0 and s.read_bytes > 0 and s.resident_bytes == 0 and s.live_entries == 0
+    finally:
+        off.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 def test_offloading_lowers_device_memory(backend, tmp_path):
     # What offloading is for: after forward (and its writes), less device memory is held.
     name, setup = backend
