@@ -69,7 +69,8 @@ class OffloadStats:
     over (a late write could have landed on the next owner's bytes); given back at close()."""
     failed_reads: int = 0
     live_entries: int = 0
-    """Distinct storages currently referenced by saved tensors."""
+    """Distinct storage regions currently referenced by saved tensors and tracked as entries (a
+    storage under ``min_bytes`` is not: Note [a small save skips the cache])."""
     live_disk_bytes: int = 0
     """Bytes of extents on storage still referenced (0 once every graph is gone)."""
     written_bytes_by_path: dict[str, int] = dataclasses.field(default_factory=dict)
