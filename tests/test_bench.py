@@ -401,6 +401,9 @@ def test_gpu_table_and_json_fields_from_a_gpu_result():
     assert "offload: drive could carry" in text
     assert "  achieved write 0.14, read 0.14 GB/s over the step; the drive's raw write 6.00, read 7.00" in text
     assert "torch.cuda.max_memory_allocated" in text
+    spread = next(line for line in text.splitlines() if line.startswith("vs base per round"))
+    ratios = modes_out["offload"]["step_time_ratios"]
+    assert f"offload x{min(ratios):.2f}-{max(ratios):.2f}" in spread and f"over {len(ratios)} rounds" in spread
 
 
 def test_plot_without_matplotlib_is_one_clear_line(tmp_path, capsys, monkeypatch):

@@ -100,6 +100,18 @@ def _columns(rows: list[tuple[str, ...]]) -> list[str]:
     return lines
 
 
+def _spread(result: dict) -> list[str]:
+    """How far single rounds strayed from the median ratio: on a GPU one mode's rounds ranged
+    x1.02-1.60 while another's stayed within x0.97-1.22 (H100, 2026-11-24)."""
+    spans, rounds = [], 0
+    for name, row in result["modes"].items():
+        ratios = row.get("step_time_ratios") or []
+        if name != "baseline" and len(ratios) >= 2:
+            spans.append(f"{name} x{min(ratios):.2f}-{max(ratios):.2f}")
+            rounds = max(rounds, len(ratios))
+    return [f"vs base per round (min-max over {rounds} rounds): " + ", ".join(spans)] if spans else []
+
+
 def _versus(result: dict) -> list[str]:
     """Each mode against the peers without ssdtrain that ran (baseline, recompute, save_on_cpu):
     step time, and peak memory (device memory on a GPU, saved bytes on the CPU)."""
@@ -151,7 +163,7 @@ def _drive_lines(result: dict) -> list[str]:
 
 def format_table(result: dict) -> str:
     """The human-readable report ``ssdtrain bench`` prints."""
-    lines = _header(result) + [""] + _table(result)
+    lines = _header(result) + [""] + _table(result) + _spread(result)
     versus = _versus(result)
     if versus:
         lines += [""] + versus
