@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ssdtrain import keep
+
 __all__ = ["State", "Entry", "Ref", "Parts", "Small", "SmallSaves", "StorageIndex", "Cache", "byte_span", "entry_span",
            "rebuild", "byte_view"]
 
@@ -358,7 +360,7 @@ class SmallSaves:
             counters.add(stats_id, "unique_bytes", nbytes)
             counters.add(stats_id, "kept_bytes", nbytes)
             counters.resident(nbytes)
-        small = Small(t if t.is_leaf else t.detach(), key)
+        small = Small(keep.alias(t), key)
         # Note [an interrupt never unbalances a count]: counted and armed with no call between.
         row[2] += 1
         small.dead = self.dead

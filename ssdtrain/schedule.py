@@ -8,12 +8,14 @@ whatever I/O they decide. Their tests drive them with made-up clocks and numbers
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
 from ssdtrain.cache import Entry, State
+from ssdtrain.plan import _fmt_bytes
 
 __all__ = ["Scope", "Scopes", "KeepPolicy", "ReadWindow", "Tally", "WriteBudget", "find_blocks"]
 
@@ -255,7 +257,7 @@ class DriveAdvice:
         self.after, self.span, self.share = after, span, share
         self.forwards = 0
         self.given = False
-        self._marks: list[tuple[float, float, float]] = []
+        self._marks: deque[tuple[float, float, float]] = deque(maxlen=span + 1)
 
     def observe(self, unique: float, written: float, drive_kept: float) -> str | None:
         """At each forward's end: running totals of the bytes saved (each storage once), written,
@@ -263,7 +265,7 @@ class DriveAdvice:
         if self.given:
             return None
         self.forwards += 1
-        self._marks = [*self._marks[-self.span:], (unique, written, drive_kept)]
+        self._marks.append((unique, written, drive_kept))
         if self.forwards < self.after or len(self._marks) <= self.span:
             return None
         (u0, w0, k0), (u1, w1, k1) = self._marks[0], self._marks[-1]
@@ -278,14 +280,6 @@ class DriveAdvice:
                 "(torch.utils.checkpoint per block inside `with off:`, and min_bytes=0) only block inputs are saved, "
                 "about 17 times fewer bytes, which a drive can carry; `ssdtrain plan` estimates what yours takes. "
                 "(This warning is given once.)")
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 class WriteBudget:
