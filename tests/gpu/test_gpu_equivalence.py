@@ -89,6 +89,28 @@ def _run(model, xs, off, *, order, wait: bool):
     return [p.grad.clone() for p in model.parameters()]
 
 
+def _exact_over_steps(model, xs, order, make_offloader):
+    """Three steps with the offloader ``make_offloader()`` makes (writes waited for before
+    backward in every other one), each ``torch.equal`` to a step without it, once two steps
+    without it agreed; every live entry and extent is gone after ``wait()``. Returns the stats."""
+    want = _run(model, xs, None, order=order, wait=False)
+    again = _run(model, xs, None, order=order, wait=False)
+    assert all(torch.equal(a, b) for a, b in zip(want, again)), "not deterministic without offloading"
+    off = make_offloader()
+    try:
+        for step in range(3):
+            got = _run(model, xs, off, order=order, wait=step % 2 == 0)
+            for i, (a, b) in enumerate(zip(want, got)):
+                assert torch.equal(a, b), f"step {step}: gradient {i} differs (max abs {(a - b).abs().max()})"
+        off.wait()
+        s = off.stats()
+        assert s.written_bytes > 0 and s.read_bytes > 0, "nothing went through the drive"
+        assert s.live_entries == 0 and s.live_disk_bytes == 0
+        return s
+    finally:
+        off.close()
+
+
 @pytest.mark.parametrize("order", [(0,), (1, 0), (0, 1)], ids=["one", "reverse", "forward-order"])
 @pytest.mark.parametrize("second_stream", [False, True], ids=["one-stream", "two-streams"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -102,22 +124,12 @@ def test_slow_streams_steps_and_microbatches(backend, dtype, second_stream, orde
     torch.manual_seed(0)
     model = _Net(dtype, sleep, second_stream=second_stream, ms=20)
     xs = [torch.randn(8, 64, 128, device=CUDA, dtype=dtype) for _ in range(max(order) + 1)]
-    want = _run(model, xs, None, order=order, wait=False)
-    again = _run(model, xs, None, order=order, wait=False)
-    assert all(torch.equal(a, b) for a, b in zip(want, again)), "not deterministic without offloading"
-    with setup():
-        off = ssdtrain.Offloader(model, path=str(tmp_path), backend=name, min_bytes=0)
-    try:
-        for step in range(3):
-            got = _run(model, xs, off, order=order, wait=step % 2 == 0)
-            for i, (a, b) in enumerate(zip(want, got)):
-                assert torch.equal(a, b), f"step {step}: gradient {i} differs (max abs {(a - b).abs().max()})"
-        off.wait()
-        s = off.stats()
-        assert s.written_bytes > 0 and s.read_bytes > 0, "nothing went through the drive"
-        assert s.live_entries == 0 and s.live_disk_bytes == 0
-    finally:
-        off.close()
+
+    def make():
+        with setup():
+            return ssdtrain.Offloader(model, path=str(tmp_path), backend=name, min_bytes=0)
+
+    _exact_over_steps(model, xs, order, make)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -130,25 +142,18 @@ def test_small_saves_beside_offloaded_ones(backend, tmp_path, sleep):
     torch.manual_seed(0)
     model = _Net(torch.bfloat16, sleep, second_stream=True, ms=20)
     xs = [torch.randn(8, 64, 128, device=CUDA, dtype=torch.bfloat16) for _ in range(2)]
-    want = _run(model, xs, None, order=(1, 0), wait=False)
-    again = _run(model, xs, None, order=(1, 0), wait=False)
-    assert all(torch.equal(a, b) for a, b in zip(want, again)), "not deterministic without offloading"
-    with setup():
-        off = ssdtrain.Offloader(model, path=str(tmp_path), backend=name, min_bytes=16 << 10)
     smalls = []
-    real_add = off._cache.small.add
-    off._cache.small.add = lambda t, *a: smalls.append(t.device) or real_add(t, *a)
-    try:
-        for step in range(3):
-            got = _run(model, xs, off, order=(1, 0), wait=step % 2 == 0)
-            for i, (a, b) in enumerate(zip(want, got)):
-                assert torch.equal(a, b), f"step {step}: gradient {i} differs (max abs {(a - b).abs().max()})"
-        off.wait()
-        s = off.stats()
-        assert smalls and all(d.type == "cuda" for d in smalls)
-        assert s.written_bytes > 0 and s.read_bytes > 0 and s.resident_bytes == 0 and s.live_entries == 0
-    finally:
-        off.close()
+
+    def make():
+        with setup():
+            off = ssdtrain.Offloader(model, path=str(tmp_path), backend=name, min_bytes=16 << 10)
+        real_add = off._cache.small.add
+        off._cache.small.add = lambda t, *a: smalls.append(t.device) or real_add(t, *a)
+        return off
+
+    s = _exact_over_steps(model, xs, (1, 0), make)
+    assert smalls and all(d.type == "cuda" for d in smalls)
+    assert s.resident_bytes == 0
 
 
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)
