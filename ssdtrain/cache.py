@@ -404,6 +404,7 @@ class Cache:
         self._free = free_extent  # backend.free
         self.late: list[tuple[Any, Any]] = []  # (extent, read future) of freed entries still being read
         self.small = SmallSaves(counters)  # Note [a small save skips the cache]
+        self.lagging: deque[Entry] = deque()  # written, held back by settle_written's ``due``
 
     def new(self, id_: int, t: torch.Tensor, lo: int, hi: int, scope: Any, layer: int | None) -> Entry:
         """A new entry for ``t``'s bytes ``[lo, hi)``, KEPT (in memory) until it is queued."""
@@ -464,16 +465,29 @@ class Cache:
         e.state = State.ON_DISK
         self.counters.resident(-e.nbytes)
 
-    def settle_written(self, completed: Any) -> None:
+    def settle_written(self, completed: Any, due: Any = None) -> None:
         """Drops the memory of entries whose write completed (a deque, emptied): Note [release at
         a safe point], after one more version check; those inside the read-ahead window stay
-        (backward needs them soon)."""
+        (backward needs them soon). ``due(e)``, if given, says whether ``e`` may go now; those it
+        holds back wait in ``lagging``, in order, for a later call (the host tier's copies)."""
+        while self.lagging and due is not None:
+            e = self.lagging[0]
+            if e.state is State.WRITTEN and not due(e):
+                break
+            self.lagging.popleft()
+            self._settle(e)
         while completed:
             e = completed.popleft()
-            if e.state is State.WRITTEN:
-                e.check_version()
-                if not e.counted_ahead:
-                    self.drop_memory(e)
+            if e.state is State.WRITTEN and due is not None and (self.lagging or not due(e)):
+                self.lagging.append(e)
+                continue
+            self._settle(e)
+
+    def _settle(self, e: Entry) -> None:
+        if e.state is State.WRITTEN:
+            e.check_version()
+            if not e.counted_ahead:
+                self.drop_memory(e)
 
     def orphan_on_disk(self) -> None:
         """The store is closing: saves only on storage can no longer be unpacked (a clear error)."""

@@ -148,6 +148,12 @@ def _env_backend() -> str:
     return _from_env(name, lambda raw: _choice(name, raw.strip(), BACKENDS), lambda: "auto")
 
 
+def _env_host_bytes() -> int | None:
+    name = "SSDTRAIN_HOST_BYTES"
+    return _from_env(name, lambda raw: None if raw.strip().lower() == "auto" else parse_bytes(raw, name=name),
+                     lambda: None)
+
+
 def _default_io_threads() -> int:
     return min(4, max(2, os.cpu_count() or 2))
 
@@ -233,6 +239,13 @@ class OffloadConfig:
     (finite, > 0, at most 36500 days)."""
     create_path: bool = True
     """Create a missing ``path`` directory (with its parents); ``False`` refuses it instead."""
+    host_bytes: int | str | None = field(default_factory=_env_host_bytes)
+    """Pinned host memory in front of the drives, for CUDA tensors (the host tier): a save leaves
+    the GPU when its copy to this memory is done, the drives take what it cannot hold. ``None``
+    (``SSDTRAIN_HOST_BYTES``, or ``auto``): a quarter of the RAM available when the first CUDA
+    tensor is offloaded, divided among the local ranks (``LOCAL_WORLD_SIZE``), and no more than
+    the locked-memory limit allows; ``0``: off (CUDA tensors go to the drives through a small
+    staging buffer). Pinned once, in slabs, as it fills. CPU tensors never use it."""
     keep_modules: tuple[str, ...] = ()
     """Dotted names of modules (``model.named_modules()``) whose saves stay in memory, e.g.
     ``("lm_head",)``; ``Offloader(keep_modules=[...])`` also takes the modules themselves."""
@@ -256,6 +269,11 @@ class OffloadConfig:
         _choice("when_full", self.when_full, WHEN_FULL)
         for name in ("min_bytes", "prefetch_bytes", "max_inflight_bytes"):
             put(name, parse_bytes(getattr(self, name), name=name))
+        if self.host_bytes is not None and not (isinstance(self.host_bytes, str)
+                                                and self.host_bytes.strip().lower() == "auto"):
+            put("host_bytes", parse_bytes(self.host_bytes, name="host_bytes"))
+        else:
+            put("host_bytes", None)
         put("chunk_bytes", _chunk("chunk_bytes", self.chunk_bytes))
         _int_in("keep_last_layers", self.keep_last_layers, 0, MAX_KEEP_LAST_LAYERS)
         if self.prefetch_layers is not None:

@@ -33,6 +33,7 @@ import torch
 __all__ = [
     "is_cuda", "Fence", "producer_fence", "consumer_fence", "order", "copy_on_side_stream", "side_stream",
     "synchronize", "queue_copy", "staging", "pinned_empty", "on_device", "capturing", "for_consumer", "stream_source",
+    "queue_copy_after", "order_current", "GpuTimer", "copy_rate",
 ]
 
 log = logging.getLogger(__name__)
@@ -316,6 +317,79 @@ def queue_copy(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream,
         event = torch.cuda.Event(blocking=True)
     event.record(stream)
     return event
+
+
+# Note [a tier copy is released in stream order]
+# The host tier's copy from device to pinned host memory is queued on an I/O thread's side stream
+# and marked by a blocking event (``landed``). The host runs ahead of the device: at the end of
+# forward on the host, the device may still be computing half of forward, so a copy that the host
+# *sees* done frees memory only after the peak that the allocator counts. Instead the engine
+# releases a save's device memory once its copy is *due* (predicted done by the time the compute
+# stream gets to where the host is now), after making the compute stream wait for ``landed``
+# (:func:`order_current`): the allocator may hand that memory to later work of the compute stream,
+# which the wait orders after the copy. The prediction only decides whether the compute stream
+# would wait; correctness never depends on it.
+def queue_copy_after(dst: torch.Tensor, src: torch.Tensor, ready: Callable[[], None] | None) -> Fence:
+    """Queues ``dst.copy_(src)`` on this I/O thread's side stream after ``ready`` (Note [write
+    waits for the producer]), without waiting for it; returns a :class:`Fence` after the copy."""
+    gpu = src.device if is_cuda(src) else dst.device
+    with _on(gpu):
+        stream = side_stream(gpu)
+        order(ready, stream)
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+        return Fence(stream)
+
+
+def order_current(fence: Fence) -> None:
+    """The current stream of ``fence``'s device waits for it (Note [a tier copy is released in
+    stream order]); called on the training thread."""
+    fence.order(torch.cuda.current_stream(fence.device))
+
+
+class GpuTimer:
+    """Device time between two points of the training thread's current stream (a forward's
+    start and end), read later without waiting: timing events, never synchronised."""
+
+    __slots__ = ("start", "end")
+
+    def __init__(self, dev: torch.device) -> None:
+        with _on(dev):
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record(torch.cuda.current_stream(dev))
+        self.end: torch.cuda.Event | None = None
+
+    def stop(self, dev: torch.device) -> None:
+        if self.end is None:
+            with _on(dev):
+                self.end = torch.cuda.Event(enable_timing=True)
+                self.end.record(torch.cuda.current_stream(dev))
+
+    def seconds(self) -> float | None:
+        """The time between the two points, once the device passed both (else ``None``)."""
+        if self.end is None or not self.end.query():
+            return None
+        return self.start.elapsed_time(self.end) / 1e3
+
+
+def copy_rate(dev: torch.device, pinned: torch.Tensor) -> float:
+    """Bytes per second of a device-to-host copy into ``pinned`` (at least 64 MiB) on this
+    thread's side stream: the best of three, timed with events. Allocates device memory for it."""
+    n = min(pinned.numel(), 64 << 20)
+    with _on(dev):
+        src = torch.empty(n, dtype=torch.uint8, device=dev)
+        stream = side_stream(dev)
+        best = float("inf")
+        for _ in range(3):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(stream):
+                a.record(stream)
+                pinned[:n].copy_(src, non_blocking=True)
+                b.record(stream)
+            b.synchronize()
+            best = min(best, a.elapsed_time(b) / 1e3)
+        del src
+    return n / max(best, 1e-9)
 
 
 def pinned_empty(nbytes: int) -> torch.Tensor:

@@ -32,11 +32,13 @@ from ssdtrain.stats import Counters, OffloadStats
 from ssdtrain.store import Backend, StorageError, make_backend
 from ssdtrain.store._mem import profiled
 from ssdtrain.reader import Reader
+from ssdtrain.tier import HostExtent, TieredBackend
 from ssdtrain.writer import WriteFailures, WriteQueue
 
 __all__ = ["Offloader"]
 
 _now = time.perf_counter  # a seam for tests
+_TIER_DEVICES = ("cuda",)  # device types whose saves use the host tier (tests add "cpu")
 
 
 class Offloader:
@@ -74,6 +76,12 @@ class Offloader:
                 "nn.ModuleList of blocks (or layers='dotted.name'), or set keep_last_layers=0")
         kept_modules = keep_objects + [keep.named_module(self._models, name) for name in config.keep_modules]
         self._backend: Backend = store if store is not None else make_backend(config)  # checks the paths
+        self._tier: TieredBackend | None = None
+        self._tier_devices = _TIER_DEVICES
+        if config.host_bytes != 0 and (torch.cuda.is_available() or "cpu" in _TIER_DEVICES):
+            self._backend = self._tier = TieredBackend(self._backend, config.host_bytes)
+        self._fwd_timer: device.GpuTimer | None = None
+        self._fwd_dev: torch.device | None = None
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._counters = Counters()
@@ -190,6 +198,8 @@ class Offloader:
             snap.live_disk_bytes = self._cache.disk_bytes
             snap.prefetch_window_bytes = self._window.bytes
             snap.write_budget_bytes = self._budget.limit
+        if self._tier is not None:
+            self._tier.fill(snap)
         snap.written_bytes_by_path = self._backend.written_bytes_by_path()
         if self._endurance is not None:
             snap.endurance = self._endurance.projection()
@@ -243,6 +253,8 @@ class Offloader:
         self._writer.release_held(self._scopes.in_forward())
         self._scopes.by_id[scope.id] = scope
         scope.tally = self._budget.new_step(_now())
+        if self._tier is not None:
+            self._tier_forward_begins()
 
     def _deactivate(self, *, raise_errors: bool) -> Scope:
         rec = self._scopes.active[-1]
@@ -259,7 +271,7 @@ class Offloader:
             msg = self._endurance.check()
             if msg:
                 warnings.warn(msg, RuntimeWarning, stacklevel=3)
-        if not self._advice.given:  # Note [say when the drive carries little]
+        if not self._advice.given and self._tier is None:  # Note [say when the drive carries little]
             with self._lock:
                 t = self._counters.total
                 msg = self._advice.observe(t.unique_bytes, t.written_bytes,
@@ -336,7 +348,12 @@ class Offloader:
         e = self._cache.new(next(self._ids), t, lo, hi, scope, layer)
         scope.live_entries += 1
         n = e.nbytes
-        choice = self._policy.decide(n, layer, self._writer.has_room(n))
+        tier = self._tier is not None and e.device.type in self._tier_devices
+        if tier:
+            self._tier.clock.produced(n)
+            if self._fwd_dev is None and e.device.type == "cuda":
+                self._fwd_dev = e.device  # forwards are timed on it from the next one on
+        choice = self._policy.decide(n, layer, self._writer.has_room(n), budget=self._tier.clock if tier else None)
         if choice == "wait":
             waited = self._writer.wait_for_room(n, self._scopes.by_id.values())
             for field, amount in (("backpressure_waits", 1), ("backpressure_stall_seconds", waited),
@@ -349,8 +366,16 @@ class Offloader:
             elif choice == "budget":
                 self._counters.add(scope.stats_id, "budget_kept_bytes", n)
             return e
+        extent = self._tier.allocate_host(n, e.device) if tier else None
+        if extent is not None:
+            extent.due = self._tier.clock.schedule(n)
+        elif tier and self.config.when_full == "keep" and not self._budget.allows(n):
+            self._counters.add(scope.stats_id, "kept_bytes", n)
+            self._counters.add(scope.stats_id, "budget_kept_bytes", n)
+            return e
         try:
-            extent = self._backend.allocate(n)
+            if extent is None:
+                extent = self._backend.allocate(n)
         except StorageError as err:
             self._cache.keep_after_error(e)
             self._failures.failed(err)
@@ -363,7 +388,8 @@ class Offloader:
 
     # -- safe points -----------------------------------------------------------------------------
     def _safe_point(self, *, raise_errors: bool) -> None:
-        if self._graveyard or self._writer.completed or self._cache.late or self._cache.small.dead:
+        if (self._graveyard or self._writer.completed or self._cache.late or self._cache.small.dead
+                or self._cache.lagging):
             self._drain()
         self._failures.surface(raise_errors=raise_errors)
 
@@ -387,7 +413,31 @@ class Offloader:
                 self._graveyard.popleft()
             for e, weak in self._cache.lost_refs() if reconcile else ():  # Note [a lost __del__ is found again]
                 self._drop_ref(e, -1, weak)
-            self._cache.settle_written(self._writer.completed)
+            self._cache.settle_written(self._writer.completed, self._copy_due if self._tier is not None else None)
+
+    # -- the host tier ------------------------------------------------------------------------------
+    def _copy_due(self, e: Entry) -> bool:
+        """Under the lock: whether ``e``'s device memory may go now (Note [a tier copy is released
+        in stream order], Note [copy what leaves before the peak]); if so, the compute stream is
+        made to wait for its copy first."""
+        ext = e.extent
+        if type(ext) is not HostExtent or ext.landed is None:
+            return True  # on a drive (its write is done), or copied with no device
+        if not (self._tier.clock.is_due(ext.due) or ext.landed.done()):
+            return False
+        device.order_current(ext.landed)
+        return True
+
+    def _tier_forward_begins(self) -> None:
+        """Under the lock: the copy clock learns from the last forward's device time, and starts
+        over; this forward's start is marked on the device."""
+        clock = self._tier.clock
+        timer, self._fwd_timer = self._fwd_timer, None
+        if timer is not None:
+            clock.learn(timer.seconds(), clock.pos)
+        clock.begin()
+        if self._fwd_dev is not None:
+            self._fwd_timer = device.GpuTimer(self._fwd_dev)
 
     def _drop_ref(self, e: Entry, gen: int, weak: Any) -> None:
         """A Ref of ``e`` died (``weak`` None: only ``e``'s release is owed); the last releases it."""
@@ -444,6 +494,8 @@ class Offloader:
         first, so cancel them and keep those tensors; then start reading the tail."""
         scope.backward_started = True
         scope.held = None  # cancelled below with the rest of the queue
+        if self._fwd_timer is not None:
+            self._fwd_timer.stop(self._fwd_dev)
         scope.restart()
         for e in scope.queued():
             self._writer.cancel(e)

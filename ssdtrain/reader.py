@@ -86,7 +86,8 @@ class Reader:
             waited = self._clock() - start
             with self._lock:
                 self._window.stalled(self._clock(), waited)
-                self._budget.stalled(waited, e.scope.tally)
+                if getattr(e.extent, "path_index", 0) >= 0:  # a drive's read (not the host tier's)
+                    self._budget.stalled(waited, e.scope.tally)
                 for field, amount in (("prefetch_misses", 1), ("read_stall_seconds", waited), ("stall_seconds", waited)):
                     self._counters.add(stats_id, field, amount)
         err = fut.exception()

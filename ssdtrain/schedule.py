@@ -374,17 +374,17 @@ class KeepPolicy:
         self.when_full = when_full
         self.budget = budget
 
-    def decide(self, nbytes: int, layer: int | None, has_room: bool) -> str:
+    def decide(self, nbytes: int, layer: int | None, has_room: bool, budget: Any = None) -> str:
         """``"write"``; ``"wait"`` (for room, then write); or why the entry is kept: ``"small"``,
         ``"last_layers"``, ``"full"`` (no room) or ``"budget"`` (Note [write only what comes
-        back in time])."""
+        back in time]). ``budget``: another budget to consult (the host tier's, for its saves)."""
         if nbytes < self.min_bytes:
             return "small"
         if self.keep_from_layer is not None and layer is not None and layer >= self.keep_from_layer:
             return "last_layers"
         if not has_room:
             return "full" if self.when_full == "keep" else "wait"
-        if self.when_full == "keep" and not self.budget.allows(nbytes):
+        if self.when_full == "keep" and not (budget or self.budget).allows(nbytes):
             return "budget"
         return "write"
 

@@ -323,8 +323,14 @@ def run(path: str, *, report: Callable[[Check], None] = lambda c: None, overlap_
             return checks
         for label, backend, setup in backends:
             for dtype in ("float32", "bfloat16"):
+                # host_bytes=0: the drive backend's own CUDA path, not the host tier in front of it
                 add(_timed(f"exact[{label}, cuda, {dtype}]", lambda b=backend, d=dtype, s=setup: exact_gradients(
-                    b, work, device="cuda", dtype=d, setup=s)))
+                    b, work, device="cuda", dtype=d, setup=s, host_bytes=0)))
+        for dtype in ("float32", "bfloat16"):
+            add(_timed(f"exact[host tier, cuda, {dtype}]", lambda d=dtype: exact_gradients(
+                "posix", work, device="cuda", dtype=d, host_bytes="256MiB")))
+            add(_timed(f"exact[host tier full, cuda, {dtype}]", lambda d=dtype: exact_gradients(
+                "posix", work, device="cuda", dtype=d, host_bytes="64KiB")))
         if kvikio_why is not None:
             add(Check("exact[kvikio, cuda]", "SKIP", kvikio_why))
         for label, backend, setup in backends:

@@ -23,9 +23,9 @@ class OffloadStats:
     unique_bytes: int = 0
     """Bytes of distinct storages among them (what dedup leaves)."""
     written_bytes: int = 0
-    """Bytes written to storage."""
+    """Bytes written to storage: the drives and the host tier."""
     read_bytes: int = 0
-    """Bytes read back from storage."""
+    """Bytes read back from storage: the drives and the host tier."""
     kept_bytes: int = 0
     """Bytes never written: below ``min_bytes``, in the last ``keep_last_layers`` blocks, over the
     write budget, kept under backpressure (``when_full="keep"``) or after a failed write
@@ -73,6 +73,18 @@ class OffloadStats:
     storage under ``min_bytes`` is not: Note [a small save skips the cache])."""
     live_disk_bytes: int = 0
     """Bytes of extents on storage still referenced (0 once every graph is gone)."""
+    host_tier_bytes: int = 0
+    """Bytes of the host tier (pinned host memory, for CUDA saves) in use now."""
+    host_tier_peak_bytes: int = 0
+    """The most bytes of the host tier ever in use at once."""
+    host_tier_pinned_bytes: int = 0
+    """Host memory pinned for the tier so far (it grows in slabs as it fills, up to ``host_bytes``)."""
+    host_copied_bytes: int = 0
+    """Bytes copied from the GPU into the host tier (included in ``written_bytes``)."""
+    host_read_bytes: int = 0
+    """Bytes copied back from the host tier to the GPU (included in ``read_bytes``)."""
+    spilled_bytes: int = 0
+    """Bytes the host tier could not take (full, or still being pinned), sent to the drives or kept."""
     written_bytes_by_path: dict[str, int] = dataclasses.field(default_factory=dict)
     microbatches: dict[Any, dict[str, Any]] = dataclasses.field(default_factory=dict)
     """Per micro-batch id: the same counters, for that micro-batch's saves."""

@@ -217,9 +217,10 @@ class WriteQueue:
                 path = e.extent.path_index  # read first: written() frees a dead entry's extent
                 if self._cache.written(e, fut.result()):
                     self.completed.append(e)
-                self._budget.written(e.nbytes, e.scope.tally)
-                if self._endurance is not None:
-                    self._endurance.record(path, e.nbytes)
+                if path >= 0:  # a drive's (the host tier's extents have none)
+                    self._budget.written(e.nbytes, e.scope.tally)
+                    if self._endurance is not None:
+                        self._endurance.record(path, e.nbytes)
             elif unsettled and self._cache.write_failed(e):
                 self._failures.failed(err)
             if self._flight.pop(e.id, None) is not None:

@@ -22,6 +22,13 @@ import torch
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
+@pytest.fixture(autouse=True)
+def _drives_only(monkeypatch):
+    """The GPU tests of the drive backends move CUDA tensors to the drives, not the host tier
+    (on by default on a GPU): ``SSDTRAIN_HOST_BYTES=0``. Tests of the tier pass ``host_bytes``."""
+    monkeypatch.setenv("SSDTRAIN_HOST_BYTES", "0")
+
+
 @pytest.fixture
 def backend(request):
     """``(name, setup)`` for a parameter of ``_gpu.BACKENDS`` (indirect); skips kvikio where it cannot load."""

@@ -1,0 +1,398 @@
+"""The host tier: a bounded pool of pinned host memory between the GPU and the drives.
+
+PCIe to pinned host memory carries 25-55 GB/s each way on a current GPU (53 GB/s device to host
+on an H100, measured 2026-11-25), 10-20 times one NVMe drive. So a CUDA save's first stop is
+this pool: it leaves the GPU when its copy is due (Note [a tier copy is released in stream
+order] in ``device.py``), comes back from it in backward, and goes to the drives only when the
+pool cannot hold it. CPU tensors never use the tier: they have no device memory to free.
+
+Three pieces, each usable without a GPU (the tests drive them with made-up numbers):
+
+* :class:`HostPool`: the pinned memory, pinned in slabs as it fills (never a pinned allocation
+  per tensor: each costs milliseconds and synchronises the device), on a thread of its own;
+* :class:`CopyClock`: what each forward may copy before its peak, and when each copy is due;
+* :class:`TieredBackend`: a :class:`~ssdtrain.store.Backend` in front of the drive backend,
+  which moves host extents by device copies and hands everything else to the drives.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from ssdtrain import device
+from ssdtrain.store._pool import IOPool
+from ssdtrain.store.allocator import ExtentAllocator
+from ssdtrain.store.base import Backend, Extent
+
+__all__ = ["auto_host_bytes", "HostExtent", "HostPool", "CopyClock", "TieredBackend"]
+
+log = logging.getLogger(__name__)
+
+SLAB = 512 << 20
+"""Bytes pinned at once (about 0.35 s on an H100's host); a larger save gets a slab of its size."""
+AUTO_SHARE = 0.25
+"""Of the RAM available, what the tier takes by default (then divided among the local ranks)."""
+COPY_SHARE = 0.9
+"""Of what the copy engine can move during a forward, what a forward is given (Note [copy what
+leaves before the peak])."""
+DUE_MARGIN = 1.1
+"""A copy is due when forward has produced this much more than the copy's predicted finish."""
+GROW_AT = 0.5
+"""A new slab is pinned once this share of the pinned bytes is in use."""
+
+
+def auto_host_bytes(environ: dict | None = None) -> tuple[int, str]:
+    """The default size of the tier and how it was chosen: ``AUTO_SHARE`` of the RAM available
+    now (``MemAvailable``, or what a container's memory limit leaves, if less), divided among the
+    local ranks (``LOCAL_WORLD_SIZE``, else 1). ``ulimit -l`` is not a cap: the CUDA driver pins
+    without it. Where pinning is refused anyway, the pool stops growing with a warning."""
+    env = os.environ if environ is None else environ
+    avail, where = _mem_available()
+    try:
+        ranks = max(1, int(env.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        ranks = 1
+    n = int(avail * AUTO_SHARE) // ranks
+    return n, f"{AUTO_SHARE:.0%} of {avail >> 20} MiB available ({where}) / {ranks} local rank(s)"
+
+
+def _mem_available() -> tuple[int, str]:
+    avail, where = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free pages"
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail, where = int(line.split()[1]) * 1024, "MemAvailable"
+    except OSError:
+        pass
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_file) as f, open(usage_file) as g:
+                raw, used = f.read().strip(), int(g.read().strip())
+        except (OSError, ValueError):
+            continue
+        if raw.isdigit() and int(raw) - used < avail:
+            avail, where = max(0, int(raw) - used), "the container's memory limit"
+        break
+    return avail, where
+
+
+def _host_empty(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+class HostExtent:
+    """A place in the pool. ``length`` 0 and ``path_index`` -1: it holds no drive space.
+    ``landed``: the :class:`~ssdtrain.device.Fence` after its copy in (set on the copy thread
+    before the write's future completes); ``due``: the forward position at which that copy is
+    predicted done (:class:`CopyClock`)."""
+
+    __slots__ = ("slab", "offset", "reserved", "nbytes", "length", "path_index", "landed", "due")
+
+    def __init__(self, slab: int, offset: int, reserved: int, nbytes: int) -> None:
+        self.slab, self.offset, self.reserved, self.nbytes = slab, offset, reserved, nbytes
+        self.length, self.path_index = 0, -1
+        self.landed: Any = None
+        self.due = float("inf")
+
+
+class HostPool:
+    """Pinned host memory in slabs, up to ``capacity`` bytes; thread-safe.
+
+    :meth:`allocate` never pins: when no slab has room it asks the pin thread for another slab
+    (while the capacity allows) and returns ``None`` (the save goes to the drives or stays), so
+    the training thread never waits for pinning. A slab is also pinned ahead of need once
+    ``GROW_AT`` of the pinned bytes are in use. ``pin`` makes a slab (a seam for tests).
+    """
+
+    def __init__(self, capacity: int, *, pin: Callable[[int], torch.Tensor] = device.pinned_empty,
+                 slab: int = SLAB, background: bool = True) -> None:
+        self.capacity = capacity
+        self._pin = pin
+        self._slab = slab
+        self._slabs: list[tuple[torch.Tensor, ExtentAllocator]] = []
+        self._lock = threading.Lock()
+        self._pinning = 0  # bytes being pinned now
+        self._thread = IOPool(1, "ssdtrain-pin") if background else None
+        self.pinned = 0
+        self.used = 0
+        self.peak = 0
+        self.error: str | None = None  # why pinning stopped, if it did
+
+    def allocate(self, nbytes: int) -> HostExtent | None:
+        ext = None
+        with self._lock:
+            for i, (mem, alloc) in enumerate(self._slabs):
+                off, length = alloc.allocate(nbytes)
+                if off + length <= mem.numel():
+                    self.used += length
+                    self.peak = max(self.peak, self.used)
+                    ext = HostExtent(i, off, length, nbytes)
+                    break
+                alloc.free(off, length, trimmed=True)
+            grow = self._grow_size(0 if ext is not None else nbytes)
+        if grow:
+            if self._thread is None:
+                self._add_slab(grow)
+            else:
+                self._thread.submit(self._add_slab, grow)
+        return ext
+
+    def _grow_size(self, need: int) -> int:
+        """Under the lock: the size of a slab to pin now (0: none is needed, or allowed)."""
+        if self._pinning or self.error is not None:
+            return 0
+        if not need and self.used < GROW_AT * self.pinned:
+            return 0
+        size = min(max(self._slab, -(-need // 4096) * 4096), self.capacity - self.pinned)
+        if size <= 0 or size < need:
+            return 0
+        self._pinning = size
+        return size
+
+    def _add_slab(self, size: int) -> None:
+        try:
+            mem = self._pin(size)
+        except (RuntimeError, MemoryError) as e:  # pinning refused (a cap, no memory): stop growing
+            with self._lock:
+                self._pinning = 0
+                self.error = f"pinning {size >> 20} MiB failed ({e}); the tier stays at {self.pinned >> 20} MiB"
+            log.warning("ssdtrain: %s", self.error)
+            return
+        with self._lock:
+            self._slabs.append((mem, ExtentAllocator(4096)))
+            self.pinned += size
+            self._pinning = 0
+
+    def wait_pinned(self) -> None:
+        """Blocks until the slab being pinned (if any) is in (tests, warm-up)."""
+        if self._thread is not None:
+            self._thread.submit(lambda: None).result()
+
+    def free(self, ext: HostExtent) -> None:
+        with self._lock:
+            self._slabs[ext.slab][1].free(ext.offset, ext.reserved, trimmed=True)
+            self.used -= ext.reserved
+
+    def view(self, ext: HostExtent) -> torch.Tensor:
+        """The extent's bytes (1-D uint8, ``ext.nbytes`` long)."""
+        return self._slabs[ext.slab][0][ext.offset:ext.offset + ext.nbytes]
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+        with self._lock:
+            self._slabs.clear()
+
+
+# Note [copy what leaves before the peak]
+# The step's peak is at the end of forward (with checkpointing, at backward's start), and a copy
+# lowers it only if the save leaves device memory before then. Forward on an H100 makes 200-330
+# GB/s of activations against 53 GB/s of copy to the host, so each forward is given what the copy
+# engine moves in the last forward's device time (``COPY_SHARE`` of ``rate x seconds``), to the
+# earliest saves (backward needs them last); the rest stays on the device, uncopied. Each copy is
+# *due* at the forward position (bytes produced so far: the clock of the device's progress that
+# the host can see) where it is predicted done: copies run one after another in pack order, each
+# no sooner than its save was produced, so with ``ratio`` = production rate / copy rate a copy of
+# ``n`` bytes finishes at ``max(previous finish, its save's position) + n x ratio``. A copy is
+# released (stream-ordered) once due, or once the device says it is done. Both rates are measured:
+# the copy rate once per device, the production rate from each forward's device time.
+class CopyClock:
+    """Positions in a forward, in bytes produced (see the Note); what a forward may copy."""
+
+    def __init__(self) -> None:
+        self.rate: float | None = None   # device-to-host bytes per second
+        self.ratio: float | None = None  # production rate / copy rate, from the last forward
+        self.limit: int | None = None    # bytes a forward may copy; None: not learned yet
+        self.pos = 0
+        self.tail = 0.0
+        self.sent = 0
+        self.produced_last = 0
+
+    def begin(self) -> None:
+        """A forward begins."""
+        self.pos, self.tail, self.sent = 0, 0.0, 0
+
+    def produced(self, nbytes: int) -> None:
+        """A save of ``nbytes`` (offloaded or not) was made."""
+        self.pos += nbytes
+
+    def allows(self, nbytes: int) -> bool:
+        """Whether this forward may copy ``nbytes`` more (and counts them if so)."""
+        if self.limit is not None and self.sent + nbytes > self.limit:
+            return False
+        self.sent += nbytes
+        return True
+
+    def schedule(self, nbytes: int) -> float:
+        """The position at which a copy of ``nbytes`` queued now is due (``inf``: not known)."""
+        if self.ratio is None:
+            return float("inf")
+        self.tail = max(self.tail, self.pos) + nbytes * self.ratio * DUE_MARGIN
+        return self.tail
+
+    def is_due(self, due: float) -> bool:
+        return self.pos >= due
+
+    def learn(self, seconds: float | None, produced: int) -> None:
+        """A forward that produced ``produced`` bytes took ``seconds`` on the device."""
+        if not seconds or seconds <= 0 or not self.rate or produced <= 0:
+            return
+        self.ratio = produced / seconds / self.rate
+        self.limit = int(COPY_SHARE * self.rate * seconds)
+
+
+class TieredBackend(Backend):
+    """The host tier in front of ``inner`` (the drives): host extents move by device copies on
+    threads of their own, everything else goes to ``inner``.
+
+    Args:
+        inner: the drive backend.
+        capacity: bytes of the pool; ``None``: :func:`auto_host_bytes`, resolved when the first
+            CUDA tensor is offloaded.
+        pool: a ready :class:`HostPool` (tests); else one is made on first use.
+    """
+
+    def __init__(self, inner: Backend, capacity: int | None, *, pool: HostPool | None = None) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self._capacity = capacity
+        self.why = "asked for" if capacity is not None else ""
+        self.pool = pool
+        self.clock = CopyClock()
+        self.copied = self.read = self.spilled = 0
+        self._lock = threading.Lock()
+        self._copy = IOPool(1, "ssdtrain-d2h")   # one stream: copies in pack order
+        self._reads = IOPool(2, "ssdtrain-h2d")
+        self._rate_pending = False
+        self._closed = False
+        self._watch_fork()
+
+    # -- placement ----------------------------------------------------------------------------
+    def allocate_host(self, nbytes: int, dev: torch.device) -> HostExtent | None:
+        """A host extent for a save of ``nbytes`` on ``dev``, or ``None`` (the pool is full, or
+        still being pinned): then the drives take it."""
+        self._check_process()
+        if self.pool is None:
+            self._start(dev)
+        ext = self.pool.allocate(nbytes)
+        if ext is None:
+            with self._lock:
+                self.spilled += nbytes
+        return ext
+
+    def _start(self, dev: torch.device) -> None:
+        if self._capacity is None:
+            self._capacity, self.why = auto_host_bytes()
+        cuda = dev.type == "cuda"
+        # The tests' way through the tier (CPU tensors): plain host memory, at once.
+        self.pool = HostPool(self._capacity, pin=device.pinned_empty if cuda else _host_empty, background=cuda)
+        self.pool.allocate(0)  # pins the first slab (in the background on a GPU)
+        if cuda:
+            self._copy.submit(self._measure_rate, dev)  # once the first slab is in
+
+    def _measure_rate(self, dev: torch.device) -> None:
+        self.pool.wait_pinned()
+        mem = self.pool.allocate(64 << 20)
+        if mem is None:
+            return
+        try:
+            self.clock.rate = device.copy_rate(dev, self.pool.view(mem))
+        finally:
+            self.pool.free(mem)
+
+    def allocate(self, nbytes: int) -> Extent:
+        return self.inner.allocate(nbytes)
+
+    def free(self, extent: Any) -> None:
+        if type(extent) is HostExtent:
+            self.pool.free(extent)
+        else:
+            self.inner.free(extent)
+
+    # -- I/O ----------------------------------------------------------------------------------
+    def submit_write(self, extent: Any, src: torch.Tensor, *, checksum: bool = False,
+                     ready: Callable[[], None] | None = None) -> Future:
+        if type(extent) is not HostExtent:
+            return self.inner.submit_write(extent, src, checksum=checksum, ready=ready)
+        self._check_process()
+        return self._copy.submit(self._copy_in, extent, src, ready)
+
+    def _copy_in(self, extent: HostExtent, src: torch.Tensor, ready: Callable[[], None] | None) -> None:
+        dst = self.pool.view(extent)
+        if device.is_cuda(src):
+            extent.landed = device.queue_copy_after(dst, src, ready)
+        else:  # the tests' way through the tier: host to host, done at once
+            if ready is not None:
+                ready()
+            ctypes.memmove(dst.data_ptr(), src.data_ptr(), extent.nbytes)
+        with self._lock:
+            self.copied += extent.nbytes
+
+    def submit_read(self, extent: Any, dst: torch.Tensor, *, checksum: object = None,
+                    ready: Callable[[], None] | None = None) -> Future:
+        if type(extent) is not HostExtent:
+            return self.inner.submit_read(extent, dst, checksum=checksum, ready=ready)
+        self._check_process()
+        return self._reads.submit(self._copy_out, extent, dst, ready)
+
+    def _copy_out(self, extent: HostExtent, dst: torch.Tensor, ready: Callable[[], None] | None) -> None:
+        if extent.landed is not None:
+            extent.landed()  # the copy in is long done, almost always: this returns at once
+        src = self.pool.view(extent)
+        if device.is_cuda(dst):
+            device.copy_on_side_stream(dst, src, after=ready)
+        else:
+            if ready is not None:
+                ready()
+            ctypes.memmove(dst.data_ptr(), src.data_ptr(), extent.nbytes)
+        with self._lock:
+            self.read += extent.nbytes
+
+    def alloc_buffer(self, nbytes: int, dev: torch.device, extent: Any = None) -> torch.Tensor:
+        if type(extent) is HostExtent:
+            return torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        return self.inner.alloc_buffer(nbytes, dev, extent=extent)
+
+    # -- bookkeeping --------------------------------------------------------------------------
+    def fill(self, snap: Any) -> None:
+        """Sets the tier's fields of an :class:`~ssdtrain.stats.OffloadStats`."""
+        with self._lock:
+            snap.host_copied_bytes, snap.host_read_bytes, snap.spilled_bytes = self.copied, self.read, self.spilled
+        pool = self.pool
+        if pool is not None:
+            snap.host_tier_bytes, snap.host_tier_peak_bytes = pool.used, pool.peak
+            snap.host_tier_pinned_bytes = pool.pinned
+
+    def written_bytes_by_path(self) -> dict[str, int]:
+        return self.inner.written_bytes_by_path()
+
+    def heal(self) -> None:
+        self.inner.heal()
+
+    def describe(self) -> str:
+        size = "sized at first use" if self.pool is None else f"{self.pool.capacity >> 20} MiB"
+        return f"{self.inner.describe()}; host tier: {size}{f' ({self.why})' if self.why else ''}"
+
+    def _after_fork_in_child(self) -> None:
+        self._forked = True
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._copy.shutdown(wait=not self._forked)
+        self._reads.shutdown(wait=not self._forked)
+        if self.pool is not None:
+            self.pool.close()
+        self.inner.close()

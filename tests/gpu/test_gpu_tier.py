@@ -1,0 +1,112 @@
+"""The host tier on a GPU: exact gradients through pinned host memory (fp32, bf16; slow streams,
+micro-batches backward in reverse), spills to the drive when the tier is full, a failing drive
+behind a full tier, and the device peak lowered in stream order (Note [a tier copy is released in
+stream order])."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ssdtrain
+from test_gpu_equivalence import CUDA, _exact_over_steps, _Net
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _net(dtype, sleep, second_stream, n):
+    torch.manual_seed(0)
+    model = _Net(dtype, sleep, second_stream=second_stream, ms=20)
+    xs = [torch.randn(8, 64, 128, device=CUDA, dtype=dtype) for _ in range(n)]
+    return model, xs
+
+
+@pytest.mark.parametrize("order", [(0,), (1, 0)], ids=["one", "reverse"])
+@pytest.mark.parametrize("second_stream", [False, True], ids=["one-stream", "two-streams"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_tier_exact(dtype, second_stream, order, tmp_path, sleep):
+    model, xs = _net(dtype, sleep, second_stream, max(order) + 1)
+
+    def make():
+        return ssdtrain.Offloader(model, path=str(tmp_path), min_bytes=0, host_bytes="64MiB")
+
+    s = _exact_over_steps(model, xs, order, make)
+    assert s.host_copied_bytes > 0 and s.host_read_bytes > 0
+    assert s.host_tier_peak_bytes <= s.host_tier_pinned_bytes <= 64 << 20
+    assert sum(s.written_bytes_by_path.values()) == 0  # all of it fit the tier
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_tier_full_spills_to_the_drive(dtype, tmp_path, sleep):
+    model, xs = _net(dtype, sleep, False, 2)
+
+    def make():
+        return ssdtrain.Offloader(model, path=str(tmp_path), min_bytes=0, host_bytes="256KiB")
+
+    s = _exact_over_steps(model, xs, (1, 0), make)
+    assert s.spilled_bytes > 0 and sum(s.written_bytes_by_path.values()) > 0
+    assert s.host_tier_peak_bytes <= 256 << 10
+
+
+def test_tier_full_and_a_failing_drive(tmp_path, sleep, monkeypatch):
+    from ssdtrain.store import posix
+
+    def broken(fd, data, offset):
+        raise OSError(5, "Input/output error")
+    monkeypatch.setattr(posix, "_pwrite", broken)
+    model, xs = _net(torch.float32, sleep, False, 1)
+    from test_gpu_equivalence import _run
+    want = _run(model, xs, None, order=(0,), wait=False)
+    off = ssdtrain.Offloader(model, path=str(tmp_path), min_bytes=0, host_bytes="256KiB", on_error="keep")
+    try:
+        with pytest.warns(RuntimeWarning, match="a write failed"):
+            got = _run(model, xs, off, order=(0,), wait=True)
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+        s = off.stats()
+        assert s.failed_writes > 0 and s.host_copied_bytes > 0
+    finally:
+        off.close()
+
+
+def test_tier_lowers_the_device_peak(tmp_path, sleep):
+    """A slow forward (sleeps between layers): once the copy clock has learned the copy rate and
+    forward's time, the saves are released in stream order before forward ends, and the step's
+    device peak falls by most of what they hold."""
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(torch.nn.Linear(2048, 2048, device=CUDA, dtype=torch.bfloat16) for _ in range(12))
+    x = torch.randn(4096, 2048, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+
+    def step(off):
+        for p in layers.parameters():
+            p.grad = None
+        x.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        with off if off is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            y = x
+            for layer in layers:
+                sleep(5)
+                y = torch.nn.functional.gelu(layer(y))
+            loss = y.float().square().mean()
+        loss.backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - start, [p.grad.clone() for p in layers.parameters()]
+
+    base_peak, want = step(None)
+    off = ssdtrain.Offloader(layers, path=str(tmp_path), host_bytes="2GiB")
+    try:
+        for _ in range(40):  # until the clock has both rates (the first slab is pinned in the background)
+            step(off)
+            off.wait()
+            if off._tier.clock.ratio is not None:
+                break
+        assert off._tier.clock.ratio is not None, "the copy clock never learned its rates"
+        peak, got = step(off)
+        s = off.stats()
+    finally:
+        off.close()
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    saved = 12 * 2 * 4096 * 2048 * 2  # each layer saves its input and its output's pre-activation
+    assert base_peak - peak >= 0.5 * saved, (base_peak, peak, saved)
+    assert s.host_tier_peak_bytes <= 2 << 30

@@ -1,0 +1,211 @@
+"""The host tier's logic on the CPU: the pool, the copy clock, and the engine with CPU tensors let
+through the tier (on a GPU only CUDA tensors use it; tests/gpu/test_gpu_tier.py runs it there)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import ssdtrain
+from ssdtrain import offloader as offloader_mod
+from ssdtrain.bench.models import GPT, GPTConfig
+from ssdtrain.config import OffloadConfig
+from ssdtrain.tier import COPY_SHARE, DUE_MARGIN, CopyClock, HostPool, auto_host_bytes
+
+from _equiv import assert_same, step
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def tier_on_cpu(monkeypatch):
+    """CPU tensors go through the host tier, as CUDA tensors do on a GPU."""
+    monkeypatch.setattr(offloader_mod, "_TIER_DEVICES", ("cuda", "cpu"))
+
+
+def _pool(capacity, slab=4 * MiB):
+    return HostPool(capacity, pin=lambda n: torch.empty(n, dtype=torch.uint8), slab=slab, background=False)
+
+
+def test_pool_pins_slabs_as_it_fills_and_never_beyond_capacity():
+    pool = _pool(10 * MiB)
+    assert pool.allocate(MiB) is None  # nothing pinned yet: the first slab is pinned now
+    assert pool.pinned == 4 * MiB
+    exts = [pool.allocate(MiB) for _ in range(3)]
+    assert all(e is not None for e in exts)
+    assert pool.pinned == 8 * MiB  # past half of the first slab: a second one, ahead of need
+    more = [pool.allocate(MiB) for _ in range(8)]
+    got = [e for e in more if e is not None]
+    assert pool.pinned == 10 * MiB  # the last slab is what the capacity leaves
+    assert pool.used <= pool.pinned <= pool.capacity
+    assert len(got) < 8  # beyond the capacity: no room, however often asked
+    for e in exts + got:
+        pool.free(e)
+    assert pool.used == 0 and pool.peak >= 7 * MiB
+
+
+def test_pool_extents_do_not_overlap_and_views_hold_their_bytes():
+    pool = _pool(16 * MiB)
+    pool.allocate(0)
+    exts = [pool.allocate(300_000 + i) for i in range(12)]
+    exts = [e for e in exts if e is not None]
+    for i, e in enumerate(exts):
+        pool.view(e).fill_(i)
+    for i, e in enumerate(exts):
+        v = pool.view(e)
+        assert v.numel() == e.nbytes and bool((v == i).all())
+
+
+def test_a_save_larger_than_a_slab_gets_a_slab_of_its_size():
+    pool = _pool(64 * MiB, slab=4 * MiB)
+    assert pool.allocate(10 * MiB) is None  # pins a 10 MiB slab for it
+    assert pool.allocate(10 * MiB) is not None
+
+
+def test_pinning_refused_stops_growth_with_a_reason():
+    def refuse(n):
+        raise RuntimeError("cudaHostAlloc: out of memory")
+    pool = HostPool(8 * MiB, pin=refuse, background=False)
+    assert pool.allocate(MiB) is None
+    assert pool.error is not None and "out of memory" in pool.error
+    assert pool.allocate(MiB) is None and pool.pinned == 0
+
+
+def test_copy_clock_budget_and_due_positions():
+    clock = CopyClock()
+    clock.begin()
+    assert clock.allows(10**12)  # nothing learned yet: no limit
+    assert clock.schedule(100) == float("inf")  # no rate yet: due only once seen done
+    clock.rate = 50e9
+    clock.learn(0.02, 6 * 10**9)  # 300 GB/s produced against 50 GB/s of copy
+    assert clock.ratio == pytest.approx(6.0)
+    assert clock.limit == int(COPY_SHARE * 50e9 * 0.02)
+    clock.begin()
+    assert clock.allows(clock.limit // 2) and not clock.allows(clock.limit)
+    clock.produced(1000)
+    d1 = clock.schedule(1000)  # produced at 1000, copied in 1000 x 6 production bytes
+    assert d1 == pytest.approx(1000 + 1000 * 6 * DUE_MARGIN)
+    clock.produced(10)
+    d2 = clock.schedule(10)  # queued behind the first copy
+    assert d2 == pytest.approx(d1 + 10 * 6 * DUE_MARGIN)
+    assert not clock.is_due(d1)
+    clock.produced(int(d1))
+    assert clock.is_due(d1)
+
+
+def test_auto_size_is_a_share_of_ram_divided_among_local_ranks():
+    one, why = auto_host_bytes({})
+    four, _ = auto_host_bytes({"LOCAL_WORLD_SIZE": "4"})
+    assert one > 0 and "local rank" in why
+    assert four == pytest.approx(one / 4, rel=0.2)
+
+
+def test_host_bytes_setting():
+    assert OffloadConfig().host_bytes is None
+    assert OffloadConfig(host_bytes="1GiB").host_bytes == 1 << 30
+    assert OffloadConfig(host_bytes="auto").host_bytes is None
+    with pytest.raises(ValueError, match="host_bytes"):
+        OffloadConfig(host_bytes=-1)
+
+
+def test_host_bytes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("SSDTRAIN_HOST_BYTES", "0")
+    assert OffloadConfig().host_bytes == 0
+    monkeypatch.setenv("SSDTRAIN_HOST_BYTES", "many")
+    with pytest.raises(ValueError, match="SSDTRAIN_HOST_BYTES"):
+        OffloadConfig()
+
+
+def _gpt():
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=256, seq=64, layers=3, hidden=64, heads=4, dropout=0.1)
+    model = GPT(cfg)
+    tok = torch.randint(0, 256, (4, 64))
+    return model, (lambda: model(tok, tok))
+
+
+@pytest.mark.parametrize("host_bytes", ["64MiB", "256KiB"])
+def test_tier_is_exact_and_the_drive_takes_what_it_cannot_hold(off_dir, tier_on_cpu, host_bytes):
+    model, loss_fn = _gpt()
+    base = step(model, loss_fn, None)
+    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, host_bytes=host_bytes)
+    try:
+        for i in range(3):
+            assert_same(base, step(model, loss_fn, off, wait=i % 2 == 0))
+        off.wait()
+        s = off.stats()
+    finally:
+        off.close()
+    cap = ssdtrain.config.parse_bytes(host_bytes)
+    assert s.host_copied_bytes > 0 and s.host_read_bytes > 0
+    assert s.host_tier_peak_bytes <= s.host_tier_pinned_bytes <= cap
+    assert s.host_tier_bytes == 0 and s.live_entries == 0  # every graph gone: nothing held
+    drive = sum(s.written_bytes_by_path.values())
+    assert s.written_bytes == s.host_copied_bytes + drive
+    if cap < s.unique_bytes // 3:  # a small tier: the drive took the rest
+        assert s.spilled_bytes > 0 and drive > 0
+    else:
+        assert drive == 0 and s.spilled_bytes == 0
+
+
+def test_tier_off_sends_everything_to_the_drive(off_dir, tier_on_cpu):
+    model, loss_fn = _gpt()
+    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, host_bytes=0)
+    try:
+        step(model, loss_fn, off, wait=True)
+        s = off.stats()
+    finally:
+        off.close()
+    assert s.host_copied_bytes == 0 and s.written_bytes == sum(s.written_bytes_by_path.values()) > 0
+
+
+def test_tier_micro_batches_backward_in_reverse(off_dir, tier_on_cpu):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    xs = [torch.randn(32, 64) for _ in range(3)]
+
+    def run(off):
+        model.zero_grad(set_to_none=True)
+        losses = []
+        for i, x in enumerate(xs):
+            if off is None:
+                losses.append(model(x).square().mean())
+            else:
+                with off.microbatch(i):
+                    losses.append(model(x).square().mean())
+        for i in reversed(range(3)):
+            if off is not None:
+                off.prefetch(i)
+            losses[i].backward()
+        return [p.grad.clone() for p in model.parameters()]
+    want = run(None)
+    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, host_bytes="16MiB")
+    try:
+        got = run(off)
+        off.wait()
+        s = off.stats()
+    finally:
+        off.close()
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert s.host_copied_bytes > 0 and s.live_entries == 0
+
+
+def test_tier_failing_drive_keeps_the_spill_in_memory(off_dir, tier_on_cpu, monkeypatch):
+    """The tier full, the drive failing (on_error="keep"): what could not be placed stays, exact."""
+    from ssdtrain.store import posix
+
+    def broken(fd, data, offset):
+        raise OSError(5, "Input/output error")
+    monkeypatch.setattr(posix, "_pwrite", broken)
+    model, loss_fn = _gpt()
+    base = step(model, loss_fn, None)
+    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, host_bytes="256KiB", on_error="keep")
+    try:
+        with pytest.warns(RuntimeWarning, match="a write failed"):
+            got = step(model, loss_fn, off, wait=True)
+        assert_same(base, got)
+        s = off.stats()
+    finally:
+        off.close()
+    assert s.failed_writes > 0 and s.host_copied_bytes > 0
