@@ -162,12 +162,20 @@ def main(argv=None) -> int:
     path = {} if args.path is None else {"path": args.path}
     offs = {"offload": ssdtrain.Offloader(model, **path, **extra),
             "recompute+offload": ssdtrain.Offloader(model, min_bytes=0, **path, **extra)}
+    # Diagnostics: the drives alone (no host tier), and the tier releasing a save only once the
+    # device says its copy is done (no due positions: Note [copy what leaves before the peak]).
+    if "offload_drive" in args.modes:
+        offs["offload_drive"] = ssdtrain.Offloader(model, **path, host_bytes=0)
+    if "offload_done" in args.modes:
+        offs["offload_done"] = ssdtrain.Offloader(model, **path, **extra)
+        offs["offload_done"]._tier.clock.schedule = lambda n: float("inf")
     peer = StreamedPinned(params)
     rate = d2h_rate()
     model.recompute = False
     saved = saved_bytes(model, x, y, params, MiB)
     model.recompute = True
     saved_ckpt = saved_bytes(model, x, y, params, 0)
+    block_inputs = cfg.layers * args.batch * cfg.seq * cfg.hidden * 2  # what checkpointing keeps per block
 
     def ctx(mode):
         if mode in offs:
@@ -186,51 +194,58 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             start = torch.cuda.memory_allocated()
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
             before = offs[mode].stats() if mode in offs else None
             t0 = time.perf_counter()
             e0.record()
             with ctx(mode):
                 loss = model(x, y)
+            launch = time.perf_counter() - t0
             e1.record()
             loss.backward()
+            e2.record()
             torch.cuda.synchronize()
             step = time.perf_counter() - t0
-            row = {"step_s": step, "fwd_s": e0.elapsed_time(e1) / 1e3,
-                   "peak": torch.cuda.max_memory_allocated() - start}
+            row = {"step_s": step, "fwd_s": e0.elapsed_time(e1) / 1e3, "bwd_s": e1.elapsed_time(e2) / 1e3,
+                   "fwd_host_s": launch, "peak": torch.cuda.max_memory_allocated() - start}
             if mode in offs:
                 s = offs[mode].stats()
                 drive = sum(s.written_bytes_by_path.values()) - sum(before.written_bytes_by_path.values())
                 row.update(host_copied=s.host_copied_bytes - before.host_copied_bytes, drive=drive,
-                           tier_peak=s.host_tier_peak_bytes, spilled=s.spilled_bytes - before.spilled_bytes)
+                           tier_peak=s.host_tier_peak_bytes, spilled=s.spilled_bytes - before.spilled_bytes,
+                           stall=s.stall_seconds - before.stall_seconds)
                 offs[mode].wait()
             if r >= args.warmup:
                 rows[mode].append(row)
     med = {m: {k: statistics.median(row[k] for row in rs) for k in rs[0]} for m, rs in rows.items() if rs}
     out = {"gpu": torch.cuda.get_device_name(), "shape": vars(args), "d2h_GBps": rate / 1e9,
-           "saved_bytes": saved, "checkpoint_bytes": saved_ckpt, "modes": med}
+           "saved_bytes": saved, "checkpoint_bytes": saved_ckpt, "block_input_bytes": block_inputs, "modes": med}
     base = med.get("baseline")
     rec = med.get("recompute")
     print(f"{out['gpu']}: D2H {rate / 1e9:.1f} GB/s; saved {saved / 2**30:.2f} GiB (>= 1 MiB), "
           f"checkpointed {saved_ckpt / 2**30:.2f} GiB")
     for m, v in med.items():
         ref = rec if m == "recompute+offload" and rec else base
-        line = f"{m:18s} step {v['step_s'] * 1e3:7.1f} ms"
+        line = (f"{m:18s} step {v['step_s'] * 1e3:7.1f} ms (device fwd {v['fwd_s'] * 1e3:.1f}, bwd {v['bwd_s'] * 1e3:.1f};"
+                f" host fwd {v['fwd_host_s'] * 1e3:.1f})")
         if ref is not None and m not in ("baseline",):
             line += f" x{v['step_s'] / ref['step_s']:.3f} of {'recompute' if ref is rec else 'baseline'}"
         line += f"  peak {v['peak'] / 2**30:6.2f} GiB"
         if ref is not None and m != "baseline":
             fall = ref["peak"] - v["peak"]
             line += f" (fall {fall / 2**30:5.2f} GiB)"
-            if m == "offload" and base is not None:
+            if m.startswith("offload") and base is not None:
                 bound = min(rate * base["fwd_s"], saved)
                 v["bound"], v["fall_of_bound"] = bound, fall / bound
                 line += f", {fall / bound:.0%} of the bound {bound / 2**30:.2f} GiB"
             if m == "recompute+offload":
                 v["checkpoints_off"] = fall / saved_ckpt
-                line += f", {fall / saved_ckpt:.0%} of the checkpoints off the GPU"
+                v["block_inputs_off"] = fall / block_inputs
+                line += (f", {fall / saved_ckpt:.0%} of what checkpointing saves ({fall / block_inputs:.0%} of the block"
+                         " inputs) off the GPU")
         if "host_copied" in v:
             line += (f"; per step: tier took {v['host_copied'] / 2**30:.2f} GiB, drive {v['drive'] / 2**30:.2f},"
+                     f" stall {v['stall'] * 1e3:.1f} ms,"
                      f" tier peak {v['tier_peak'] / 2**30:.2f}")
         print(line, flush=True)
     if args.json:

@@ -70,10 +70,11 @@ class Fence:
     cores from the data loader and from the thread that launches the kernels.
     """
 
-    __slots__ = ("event", "device")
+    __slots__ = ("event", "device", "stream")
 
     def __init__(self, stream: torch.cuda.Stream) -> None:
         self.device = stream.device
+        self.stream = stream  # where the point is (the producer's stream, for a producer fence)
         self.event = torch.cuda.Event(blocking=True)
         self.event.record(stream)
 
@@ -331,20 +332,24 @@ def queue_copy(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream,
 # would wait; correctness never depends on it.
 def queue_copy_after(dst: torch.Tensor, src: torch.Tensor, ready: Callable[[], None] | None) -> Fence:
     """Queues ``dst.copy_(src)`` on this I/O thread's side stream after ``ready`` (Note [write
-    waits for the producer]), without waiting for it; returns a :class:`Fence` after the copy."""
+    waits for the producer], Note [reload waits for the allocation point]), without waiting for
+    it; returns a :class:`Fence` after the copy. A device ``dst`` is tied to the side stream
+    (``record_stream``): dropped before the copy ran, its block is not handed out again until then."""
     gpu = src.device if is_cuda(src) else dst.device
     with _on(gpu):
         stream = side_stream(gpu)
         order(ready, stream)
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
+        if is_cuda(dst):
+            dst.record_stream(stream)
         return Fence(stream)
 
 
-def order_current(fence: Fence) -> None:
-    """The current stream of ``fence``'s device waits for it (Note [a tier copy is released in
-    stream order]); called on the training thread."""
-    fence.order(torch.cuda.current_stream(fence.device))
+def order_current(fence: Fence, stream: torch.cuda.Stream | None = None) -> None:
+    """``stream`` (default: the current stream of ``fence``'s device) waits for ``fence`` (Note
+    [a tier copy is released in stream order]); called on the training thread."""
+    fence.order(stream if stream is not None else torch.cuda.current_stream(fence.device))
 
 
 class GpuTimer:

@@ -425,7 +425,9 @@ class Offloader:
             return True  # on a drive (its write is done), or copied with no device
         if not (self._tier.clock.is_due(ext.due) or ext.landed.done()):
             return False
-        device.order_current(ext.landed)
+        # The producer's stream used the save (it is the allocation stream, or the user tied the
+        # tensor to it with record_stream): work it queues from now on runs after the copy.
+        device.order_current(ext.landed, e.fence.stream if e.fence is not None else None)
         return True
 
     def _tier_forward_begins(self) -> None:

@@ -66,7 +66,10 @@ class Reader:
                 ref.gen = e.gen
                 e.unpacked_refs += 1
             out = rebuild(buf, ref)
+            back = getattr(e.extent, "back", None)  # the host tier's copy back, queued on a side stream
             self._cache.unload(e)
+        if back is not None:
+            device.order_current(back)
         return out
 
     def wait(self, e: Entry, fut: Any) -> None:

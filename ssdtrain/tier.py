@@ -97,13 +97,14 @@ class HostExtent:
     before the write's future completes); ``due``: the forward position at which that copy is
     predicted done (:class:`CopyClock`)."""
 
-    __slots__ = ("slab", "offset", "reserved", "nbytes", "length", "path_index", "landed", "due")
+    __slots__ = ("slab", "offset", "reserved", "nbytes", "length", "path_index", "landed", "due", "back")
 
     def __init__(self, slab: int, offset: int, reserved: int, nbytes: int) -> None:
         self.slab, self.offset, self.reserved, self.nbytes = slab, offset, reserved, nbytes
         self.length, self.path_index = 0, -1
         self.landed: Any = None
         self.due = float("inf")
+        self.back: Any = None  # the Fence after its last copy back to the device
 
 
 class HostPool:
@@ -217,7 +218,7 @@ class CopyClock:
         self.pos = 0
         self.tail = 0.0
         self.sent = 0
-        self.produced_last = 0
+        self.seconds: float | None = None  # the shortest forward seen on the device
 
     def begin(self) -> None:
         """A forward begins."""
@@ -245,11 +246,16 @@ class CopyClock:
         return self.pos >= due
 
     def learn(self, seconds: float | None, produced: int) -> None:
-        """A forward that produced ``produced`` bytes took ``seconds`` on the device."""
+        """A forward that produced ``produced`` bytes took ``seconds`` on the device.
+
+        The shortest forward so far is the one learned from: a forward that waited for copies
+        (a prediction too early) lasts longer, and learning from it would give the next forwards
+        more to copy and earlier due times, so more waiting: a loop that only grows."""
         if not seconds or seconds <= 0 or not self.rate or produced <= 0:
             return
-        self.ratio = produced / seconds / self.rate
-        self.limit = int(COPY_SHARE * self.rate * seconds)
+        self.seconds = seconds if self.seconds is None else min(self.seconds, seconds)
+        self.ratio = produced / self.seconds / self.rate
+        self.limit = int(COPY_SHARE * self.rate * self.seconds)
 
 
 class TieredBackend(Backend):
@@ -351,7 +357,8 @@ class TieredBackend(Backend):
             extent.landed()  # the copy in is long done, almost always: this returns at once
         src = self.pool.view(extent)
         if device.is_cuda(dst):
-            device.copy_on_side_stream(dst, src, after=ready)
+            # Queued, not waited for: unpack makes the compute stream wait (Reader.finish).
+            extent.back = device.queue_copy_after(dst, src, ready)
         else:
             if ready is not None:
                 ready()
