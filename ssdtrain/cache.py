@@ -341,9 +341,10 @@ class SmallSaves:
         self.live_bytes = 0
         self.counters = counters
 
-    def add(self, t: torch.Tensor, storage: torch.UntypedStorage, stats_id: Any) -> Small:
-        """A save of ``t``, whose storage is small; its deaths filed so far are settled first
-        (a storage freed since may have left its address, its key, to ``t``'s)."""
+    def add(self, t: torch.Tensor, storage: torch.UntypedStorage, stats_id: Any, why: str | None = None) -> Small:
+        """A save of ``t``, whose storage is small (or kept for ``why``, a counter its new storage
+        adds to: Note [a save the budget keeps skips the cache]); its deaths filed so far are
+        settled first (a storage freed since may have left its address, its key, to ``t``'s)."""
         if self.dead:
             self.settle()
         key = storage._cdata
@@ -359,6 +360,8 @@ class SmallSaves:
             self.live_bytes += nbytes
             counters.add(stats_id, "unique_bytes", nbytes)
             counters.add(stats_id, "kept_bytes", nbytes)
+            if why is not None:
+                counters.add(stats_id, why, nbytes)
             counters.resident(nbytes)
         small = Small(keep.alias(t), key)
         # Note [an interrupt never unbalances a count]: counted and armed with no call between.

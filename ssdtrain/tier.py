@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ssdtrain import device
-from ssdtrain.store._pool import IOPool
+from ssdtrain.store._pool import IOFuture, IOPool
 from ssdtrain.store.allocator import ExtentAllocator
 from ssdtrain.store.base import Backend, Extent
 
@@ -218,11 +218,12 @@ class CopyClock:
         self.pos = 0
         self.tail = 0.0
         self.sent = 0
+        self.closed = False  # this forward was refused a copy: the rest of it is kept
         self.seconds: float | None = None  # the shortest forward seen on the device
 
     def begin(self) -> None:
         """A forward begins."""
-        self.pos, self.tail, self.sent = 0, 0.0, 0
+        self.pos, self.tail, self.sent, self.closed = 0, 0.0, 0, False
 
     def produced(self, nbytes: int) -> None:
         """A save of ``nbytes`` (offloaded or not) was made."""
@@ -231,6 +232,7 @@ class CopyClock:
     def allows(self, nbytes: int) -> bool:
         """Whether this forward may copy ``nbytes`` more (and counts them if so)."""
         if self.limit is not None and self.sent + nbytes > self.limit:
+            self.closed = True
             return False
         self.sent += nbytes
         return True
@@ -279,7 +281,8 @@ class TieredBackend(Backend):
         self.copied = self.read = self.spilled = 0
         self._lock = threading.Lock()
         self._copy = IOPool(1, "ssdtrain-d2h")   # one stream: copies in pack order
-        self._reads = IOPool(2, "ssdtrain-h2d")
+        self._ins = _Batches(self._copy, self._copy_in)
+        self._outs = _Batches(IOPool(1, "ssdtrain-h2d"), self._copy_out)
         self._rate_pending = False
         self._closed = False
         self._watch_fork()
@@ -332,39 +335,54 @@ class TieredBackend(Backend):
         if type(extent) is not HostExtent:
             return self.inner.submit_write(extent, src, checksum=checksum, ready=ready)
         self._check_process()
-        return self._copy.submit(self._copy_in, extent, src, ready)
+        return self._ins.submit((extent, src, ready))
 
-    def _copy_in(self, extent: HostExtent, src: torch.Tensor, ready: Callable[[], None] | None) -> None:
-        dst = self.pool.view(extent)
-        if device.is_cuda(src):
-            extent.landed = device.queue_copy_after(dst, src, ready)
-        else:  # the tests' way through the tier: host to host, done at once
-            if ready is not None:
-                ready()
-            ctypes.memmove(dst.data_ptr(), src.data_ptr(), extent.nbytes)
+    def _copy_in(self, batch: list[tuple]) -> None:
+        """On the copy thread: a batch of copies into the pool, queued together (Note [the
+        training thread names a stream, the copy thread marks it]); one fence marks them all."""
+        for part in _by_device(batch):
+            dsts = [self.pool.view(ext) for ext, _, _ in part]
+            srcs = [src for _, src, _ in part]
+            if device.is_cuda(srcs[0]):
+                fence = device.queue_copies(dsts, srcs, [ready for _, _, ready in part])
+            else:  # the tests' way through the tier: host to host, done at once
+                fence = None
+                for (ext, src, ready), dst in zip(part, dsts):
+                    if ready is not None:
+                        ready()
+                    ctypes.memmove(dst.data_ptr(), src.data_ptr(), ext.nbytes)
+            for ext, _, _ in part:
+                ext.landed = fence
         with self._lock:
-            self.copied += extent.nbytes
+            self.copied += sum(ext.nbytes for ext, _, _ in batch)
 
     def submit_read(self, extent: Any, dst: torch.Tensor, *, checksum: object = None,
                     ready: Callable[[], None] | None = None) -> Future:
         if type(extent) is not HostExtent:
             return self.inner.submit_read(extent, dst, checksum=checksum, ready=ready)
         self._check_process()
-        return self._reads.submit(self._copy_out, extent, dst, ready)
+        return self._outs.submit((extent, dst, ready))
 
-    def _copy_out(self, extent: HostExtent, dst: torch.Tensor, ready: Callable[[], None] | None) -> None:
-        if extent.landed is not None:
-            extent.landed()  # the copy in is long done, almost always: this returns at once
-        src = self.pool.view(extent)
-        if device.is_cuda(dst):
-            # Queued, not waited for: unpack makes the compute stream wait (Reader.finish).
-            extent.back = device.queue_copy_after(dst, src, ready)
-        else:
-            if ready is not None:
-                ready()
-            ctypes.memmove(dst.data_ptr(), src.data_ptr(), extent.nbytes)
+    def _copy_out(self, batch: list[tuple]) -> None:
+        """On the read thread: copies back to the device, queued, not waited for: unpack makes
+        the compute stream wait for ``extent.back`` (``Reader.finish``)."""
+        for ext, _, _ in batch:
+            if ext.landed is not None:
+                ext.landed()  # the copy in is long done, almost always: this returns at once
+        for part in _by_device(batch):
+            srcs = [self.pool.view(ext) for ext, _, _ in part]
+            dsts = [dst for _, dst, _ in part]
+            if device.is_cuda(dsts[0]):
+                fence = device.queue_copies(dsts, srcs, [ready for _, _, ready in part])
+                for ext, _, _ in part:
+                    ext.back = fence
+            else:
+                for (ext, dst, ready), src in zip(part, srcs):
+                    if ready is not None:
+                        ready()
+                    ctypes.memmove(dst.data_ptr(), src.data_ptr(), ext.nbytes)
         with self._lock:
-            self.read += extent.nbytes
+            self.read += sum(ext.nbytes for ext, _, _ in batch)
 
     def alloc_buffer(self, nbytes: int, dev: torch.device, extent: Any = None) -> torch.Tensor:
         if type(extent) is HostExtent:
@@ -399,7 +417,51 @@ class TieredBackend(Backend):
             return
         self._closed = True
         self._copy.shutdown(wait=not self._forked)
-        self._reads.shutdown(wait=not self._forked)
+        self._outs.pool.shutdown(wait=not self._forked)
         if self.pool is not None:
             self.pool.close()
         self.inner.close()
+
+
+def _by_device(batch: list[tuple]) -> list[list[tuple]]:
+    """The requests ``(extent, tensor, ready)`` of a batch grouped by the tensor's device, in order."""
+    parts: dict[torch.device, list[tuple]] = {}
+    for request in batch:
+        parts.setdefault(request[1].device, []).append(request)
+    return list(parts.values())
+
+
+class _Batches:
+    """Requests taken a batch at a time by one thread of ``pool``: each request's future completes
+    once ``process`` has handled its batch (with its exception, if it raised)."""
+
+    def __init__(self, pool: IOPool, process: Callable[[list], None]) -> None:
+        self.pool, self._process = pool, process
+        self._lock = threading.Lock()
+        self._pending: list[tuple[Any, IOFuture]] = []
+        self._draining = False
+
+    def submit(self, request: Any) -> IOFuture:
+        fut = IOFuture()
+        with self._lock:
+            self._pending.append((request, fut))
+            start, self._draining = not self._draining, True
+        if start:
+            self.pool.submit(self._drain)
+        return fut
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                batch, self._pending = self._pending, []
+                if not batch:
+                    self._draining = False
+                    return
+            try:
+                self._process([request for request, _ in batch])
+            except BaseException as e:  # each request of the batch fails with it
+                for _, fut in batch:
+                    fut.set_exception(e)
+                continue
+            for _, fut in batch:
+                fut.set_result(None)

@@ -209,3 +209,32 @@ def test_tier_failing_drive_keeps_the_spill_in_memory(off_dir, tier_on_cpu, monk
     finally:
         off.close()
     assert s.failed_writes > 0 and s.host_copied_bytes > 0
+
+
+def test_a_closed_copy_budget_keeps_the_rest_of_forward_without_entries(off_dir, tier_on_cpu):
+    """Note [a save the budget keeps skips the cache]: once the tier's budget refused a save, the
+    rest of that forward is held as small saves are (no entry), counted as kept by the budget."""
+    model, loss_fn = _gpt()
+    base = step(model, loss_fn, None)
+    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, host_bytes="64MiB")
+
+    def forward():
+        before = off.stats()
+        with off:
+            loss = loss_fn()
+            during = off.stats()
+        loss.backward()
+        off.wait()
+        return before, during, off.stats()
+    try:
+        _, open_, _ = forward()  # no limit learned: every save has an entry
+        off._tier.clock.limit = 200_000  # as if learned: this much of a forward is copied
+        before, during, after = forward()
+        assert_same(base, step(model, loss_fn, off))
+    finally:
+        off.close()
+    copied = after.host_copied_bytes - before.host_copied_bytes
+    assert 0 < copied <= 200_000
+    assert after.budget_kept_bytes - before.budget_kept_bytes > 0
+    assert during.live_entries < open_.live_entries / 2
+    assert after.live_entries == 0
