@@ -384,10 +384,7 @@ class Offloader:
             self._failures.failed(err)
             return e
         self._cache.queue(e, extent)
-        # Note [the training thread names a stream, the copy thread marks it]: a host tier copy
-        # needs no event from this thread.
-        e.fence = device.name_stream(t) if type(extent) is HostExtent and device.is_cuda(t) \
-            else device.producer_fence(t)
+        e.fence = device.producer_fence(t)
         scope.add(e)
         self._writer.hold(scope, e)
         return e

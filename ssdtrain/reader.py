@@ -41,11 +41,7 @@ class Reader:
     def issue(self, e: Entry) -> None:
         """Starts reading ``e`` back into a fresh buffer."""
         buf = self._backend.alloc_buffer(e.nbytes, e.device, extent=e.extent)
-        # The host tier's reads are queued on a side stream: naming the consumer's stream is enough
-        # (Note [the training thread names a stream, the copy thread marks it]).
-        tier = e.extent.path_index < 0 and device.is_cuda(buf)
-        ready = device.name_stream(buf) if tier else device.consumer_fence(buf)
-        fut = self._backend.submit_read(e.extent, buf, checksum=e.checksum, ready=ready)
+        fut = self._backend.submit_read(e.extent, buf, checksum=e.checksum, ready=device.consumer_fence(buf))
         self._cache.reading(e, buf, fut)
 
     def claim(self, e: Entry) -> tuple[Any, torch.Tensor]:

@@ -338,8 +338,8 @@ class TieredBackend(Backend):
         return self._ins.submit((extent, src, ready))
 
     def _copy_in(self, batch: list[tuple]) -> None:
-        """On the copy thread: a batch of copies into the pool, queued together (Note [the
-        training thread names a stream, the copy thread marks it]); one fence marks them all."""
+        """On the copy thread: a batch of copies into the pool, queued together (Note [copies
+        are queued a batch at a time]); one fence marks them all."""
         for part in _by_device(batch):
             dsts = [self.pool.view(ext) for ext, _, _ in part]
             srcs = [src for _, src, _ in part]
@@ -366,14 +366,15 @@ class TieredBackend(Backend):
     def _copy_out(self, batch: list[tuple]) -> None:
         """On the read thread: copies back to the device, queued, not waited for: unpack makes
         the compute stream wait for ``extent.back`` (``Reader.finish``)."""
-        for ext, _, _ in batch:
-            if ext.landed is not None:
-                ext.landed()  # the copy in is long done, almost always: this returns at once
         for part in _by_device(batch):
             srcs = [self.pool.view(ext) for ext, _, _ in part]
             dsts = [dst for _, dst, _ in part]
             if device.is_cuda(dsts[0]):
-                fence = device.queue_copies(dsts, srcs, [ready for _, _, ready in part])
+                # After the allocation point of each buffer, and after the copy in of its bytes
+                # (on the device: the copy in is long done, almost always).
+                readys = [ready for _, _, ready in part] + list({id(e.landed): e.landed for e, _, _ in part
+                                                                 if e.landed is not None}.values())
+                fence = device.queue_copies(dsts, srcs, readys)
                 for ext, _, _ in part:
                     ext.back = fence
             else:
