@@ -207,7 +207,9 @@ class HostPool:
 # no sooner than its save was produced, so with ``ratio`` = production rate / copy rate a copy of
 # ``n`` bytes finishes at ``max(previous finish, its save's position) + n x ratio``. A copy is
 # released (stream-ordered) once due, or once the device says it is done. Both rates are measured:
-# the copy rate once per device, the production rate from each forward's device time.
+# the copy rate once per device, forward's time and production rate on a forward that copies
+# nothing (the first once the copy rate is known: its saves stay on the device), since a forward's
+# own copies lengthen it (``CopyClock.learn``).
 class CopyClock:
     """Positions in a forward, in bytes produced (see the Note); what a forward may copy."""
 
@@ -219,11 +221,14 @@ class CopyClock:
         self.tail = 0.0
         self.sent = 0
         self.closed = False  # this forward was refused a copy: the rest of it is kept
-        self.seconds: float | None = None  # the shortest forward seen on the device
+        self.reference: float | None = None  # device seconds of a forward that copied nothing
 
     def begin(self) -> None:
-        """A forward begins."""
+        """A forward begins; with the copy rate known and no reference yet, it copies nothing
+        (it is measured for the reference)."""
         self.pos, self.tail, self.sent, self.closed = 0, 0.0, 0, False
+        if self.reference is None and self.rate is not None:
+            self.limit = 0
 
     def produced(self, nbytes: int) -> None:
         """A save of ``nbytes`` (offloaded or not) was made."""
@@ -250,14 +255,20 @@ class CopyClock:
     def learn(self, seconds: float | None, produced: int) -> None:
         """A forward that produced ``produced`` bytes took ``seconds`` on the device.
 
-        The shortest forward so far is the one learned from: a forward that waited for copies
-        (a prediction too early) lasts longer, and learning from it would give the next forwards
-        more to copy and earlier due times, so more waiting: a loop that only grows."""
+        Only a forward that copied nothing is learned from (the first after the copy rate is
+        known), and then a shorter one: a forward's own copies lengthen it (the host's work for
+        each, a compute stream that waited), and learning from that would give the next forwards
+        more to copy, so longer ones: on an H100 the limit grew to copying everything (2.5 GiB a
+        step where 1.2 moved before the peak, and the step x2.1)."""
         if not seconds or seconds <= 0 or not self.rate or produced <= 0:
             return
-        self.seconds = seconds if self.seconds is None else min(self.seconds, seconds)
-        self.ratio = produced / self.seconds / self.rate
-        self.limit = int(COPY_SHARE * self.rate * self.seconds)
+        if self.reference is None:
+            if self.limit != 0:
+                return  # it copied: not a measure of forward alone
+            self.reference = seconds
+        self.reference = min(self.reference, seconds)
+        self.ratio = produced / self.reference / self.rate
+        self.limit = int(COPY_SHARE * self.rate * self.reference)
 
 
 class TieredBackend(Backend):

@@ -78,6 +78,10 @@ def test_copy_clock_budget_and_due_positions():
     assert clock.allows(10**12)  # nothing learned yet: no limit
     assert clock.schedule(100) == float("inf")  # no rate yet: due only once seen done
     clock.rate = 50e9
+    clock.learn(0.03, 6 * 10**9)  # a forward that copied: not learned from
+    assert clock.ratio is None and clock.limit is None
+    clock.begin()
+    assert clock.limit == 0 and not clock.allows(1)  # measured with no copy, for the reference
     clock.learn(0.02, 6 * 10**9)  # 300 GB/s produced against 50 GB/s of copy
     assert clock.ratio == pytest.approx(6.0)
     assert clock.limit == int(COPY_SHARE * 50e9 * 0.02)
