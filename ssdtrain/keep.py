@@ -228,6 +228,12 @@ def no_offload() -> Iterator[None]:
         yield
 
 
+def in_no_offload() -> bool:
+    """Whether the innermost saved-tensor hooks are :func:`no_offload`'s."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return top is not None and top[1] is _identity
+
+
 def model_list(model: Any) -> list[nn.Module]:
     if model is None:
         return []
