@@ -81,9 +81,8 @@ def leave_stale_steps(owner: Any, active: list) -> list:
     """Pops the hooks of ``owner``'s steps (``with off:``) still open on top; returns their scopes.
 
     Note [an interrupt never unbalances a count]: a Ctrl-C as ``Offloader.__exit__`` (or the
-    call in it that pops the hooks) began leaves the hooks pushed and the step open, for good.
-    ``with off:`` blocks do not nest, so a step still open when the next begins, or at
-    ``close()``, is such a one.
+    call in it that pops the hooks) began leaves the hooks pushed and the step open. The next
+    ``with off:`` nests in it (Note [nested blocks are one]); ``close()`` leaves it.
     """
     left = []
     while active and getattr(active[-1][0], "__self__", None) is owner and active[-1][1].stats_id is None:

@@ -178,7 +178,7 @@ def test_torch_compile(tmp_path, deterministic):
 def test_the_hooks_are_never_traced_by_dynamo(tmp_path):
     """Note [our hooks are never traced]: once dynamo is loaded, the pack and unpack hooks pushed
     are ``torch.compiler.disable``d (torch 2.11 traced them around a graph break, and warned on
-    os.getpid at every save); the stale-step cleanup still knows them as the offloader's."""
+    os.getpid at every save); close() still knows them as the offloader's and pops a step left open."""
     import torch._dynamo  # noqa: F401  (what torch.compile loads)
 
     off = ssdtrain.Offloader(path=str(tmp_path), min_bytes=0)
@@ -194,11 +194,9 @@ def test_the_hooks_are_never_traced_by_dynamo(tmp_path):
     x.grad = None
     (x * 2).tanh().sum().backward()
     assert torch.equal(want, x.grad) and off.stats().written_bytes > 0
-    off.__enter__()  # a step whose __exit__ never ran (a Ctrl-C) is left by the next one
-    with off:
-        pass
-    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    off.__enter__()  # a step whose __exit__ never ran (a Ctrl-C) is left at close()
     off.close()
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
 
 
 class _MLP(torch.nn.Module):
