@@ -263,8 +263,14 @@ def _is_weight_cast(t: torch.Tensor) -> bool:
     return bool(nxt) and nxt[0][0] is not None and type(nxt[0][0]).__name__ == "AccumulateGrad"
 
 
+# Note [module hooks do nothing when traced]: torch.compile traces these forward hooks into the
+# graph, and a change to a Python list inside ``checkpoint`` (a higher-order op) is a side effect
+# it refuses: the whole checkpointed region would fall back to eager (with SAC, its saves would
+# then bypass the hooks again). A compiled graph's saves are made when it runs, not while these
+# hooks run, so there is nothing for them to tag: traced, they do nothing.
 def bump(depth: list[int], delta: int, module: nn.Module, *args: Any) -> None:
-    depth[0] = max(0, depth[0] + delta)
+    if not torch.compiler.is_compiling():
+        depth[0] = max(0, depth[0] + delta)
 
 
 class LayerTracker:
@@ -274,10 +280,11 @@ class LayerTracker:
         self.stack = stack
 
     def enter(self, index: int, module: nn.Module, args: Any) -> None:
-        self.stack.append(index)
+        if not torch.compiler.is_compiling():
+            self.stack.append(index)
 
     def leave(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.stack:
+        if self.stack and not torch.compiler.is_compiling():
             self.stack.pop()
 
 

@@ -24,7 +24,8 @@ def save_matmuls(ctx, op, *args, **kwargs):
 
 def _blocks(dropout: float = 0.0) -> nn.ModuleList:
     torch.manual_seed(0)
-    return nn.ModuleList(nn.Sequential(nn.Linear(HIDDEN, 4 * HIDDEN), nn.GELU(), nn.Dropout(dropout),
+    return nn.ModuleList(nn.Sequential(nn.Linear(HIDDEN, 4 * HIDDEN), nn.GELU(),
+                                       *([nn.Dropout(dropout)] if dropout else []),
                                        nn.Linear(4 * HIDDEN, HIDDEN)) for _ in range(BLOCKS))
 
 
@@ -169,3 +170,42 @@ def test_bad_policies_are_refused(off_dir):
     with pytest.raises(TypeError, match="an SAC policy returned 'save'"):
         checkpoint(nn.Linear(4, 4), torch.randn(2, 4, requires_grad=True), use_reentrant=False, context_fn=ctx)
     off.close()
+
+
+def test_compiled_sac_saves_reach_the_offloader(off_dir):
+    """Under ``torch.compile`` (aot_eager: the same partitioning, no code generation) SAC's policy
+    shapes the compiled graph, whose saves go through the saved-tensor hooks: plain SAC and
+    ``sac_context`` both write what SAC keeps, exact. The offloader's block hooks must not break
+    the checkpointed graph (Note [module hooks do nothing when traced]): it would fall back to
+    eager, where plain SAC's saves bypass the hooks."""
+    blocks = _blocks()
+    kept = _sac_kept_bytes(blocks, save_matmuls)
+
+    def compiled(context_fn):
+        torch._dynamo.reset()
+
+        def fn(h):
+            for block in blocks:
+                h = checkpoint(block, h, use_reentrant=False, context_fn=context_fn)
+            return h
+
+        return torch.compile(fn, backend="aot_eager")
+
+    def run(fn, off=None):
+        blocks.zero_grad(set_to_none=True)
+        x = torch.randn(BATCH, SEQ, HIDDEN, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        with off if off is not None else contextlib.nullcontext():
+            loss = fn(x).square().mean()
+            if off is not None:
+                off.wait()
+        loss.backward()
+        return [p.grad.clone() for p in blocks.parameters()] + [x.grad.clone()]
+
+    try:
+        want = run(compiled(_plain(save_matmuls)))
+        for make in (_plain, lambda policy: ssdtrain.sac_context(policy, off)):
+            off = ssdtrain.Offloader(blocks, path=str(off_dir), min_bytes=0)
+            _equal(run(compiled(make(save_matmuls)), off), want)
+            assert _settled(off).written_bytes >= 0.8 * kept
+    finally:
+        torch._dynamo.reset()
