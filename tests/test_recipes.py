@@ -10,6 +10,8 @@ import contextlib
 import copy
 import json
 import os
+import pathlib
+import re
 
 import pytest
 import torch
@@ -241,3 +243,30 @@ def test_accelerate(gpt, tmp_path):
     _assert_equal(got, want)
     assert written > 0
     assert not all(torch.equal(want[n], p) for n, p in gpt.named_parameters())
+
+
+def test_every_row_of_the_composition_table_names_tests_that_exist():
+    """docs/recipes.md's composition table: each row names at least one test, and each test it
+    names (``tests/test_x.py::name``, or a bare ``name`` after it in the same row) is defined."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    table = (root / "docs" / "recipes.md").read_text().split("## Composition table", 1)[1]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith(("| stack", "| ---"))]
+    stacks = ["checkpointing", "selective", "FSDP2", "DDP", "tensor parallelism", "torch.compile", "PEFT",
+              "DeepSpeed", "Megatron", "Trainer", "Lightning"]
+    assert all(any(stack in row.split("|")[1] for row in rows) for stack in stacks)
+    for row in rows:
+        tests_cell = row.split("|")[3]
+        named = 0
+        path = None
+        for token in re.findall(r"`([^`]+)`", tests_cell):
+            if token.startswith("tests/"):
+                path, _, name = token.partition("::")
+                source = (root / path).read_text()
+            else:
+                name = token
+            if name.startswith("test_") and path is not None:
+                assert re.search(rf"^def {name}\(", source, re.M), f"{path}::{name} (in: {row[:60]})"
+                named += 1
+            elif token.startswith("tests/test_"):
+                named += 1  # a whole file
+        assert named, f"no test named in: {row[:60]}"
