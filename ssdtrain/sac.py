@@ -59,7 +59,8 @@ def sac_context(policy: Callable[..., Any] | list, offloader: Any, *,
     Args:
         policy: ``policy(ctx, op, *args, **kwargs)`` returning one of the above, or a list of ops
             (``torch.ops.aten.mm.default``, ...) to save to the drive, the rest recomputed.
-        offloader: the :class:`~ssdtrain.Offloader` to send saves to.
+        offloader: the :class:`~ssdtrain.Offloader` to send saves to (a disabled one from
+            ``ssdtrain.offload(enabled=False)``: plain SAC).
         allow_cache_entry_mutation: as torch's; with ``True`` a save may be modified in place
             after it was made and backward must see that, so saves stay in memory.
 
@@ -67,8 +68,14 @@ def sac_context(policy: Callable[..., Any] | list, offloader: Any, *,
         A function of no arguments returning torch's two SAC modes, as ``context_fn`` takes.
 
     Raises:
-        TypeError: ``policy`` is neither callable nor a list of ops.
+        TypeError: ``policy`` is neither callable nor a list of ops, or ``offloader`` is not one.
     """
+    from ssdtrain.offloader import Offloader
+    from ssdtrain.switch import Disabled
+
+    if not isinstance(offloader, (Offloader, Disabled)):
+        raise TypeError(f"offloader must be an ssdtrain.Offloader (or ssdtrain.offload(...)), not "
+                        f"{type(offloader).__name__}: sac_context(policy, off)")
     if isinstance(policy, list):
         ops = policy
         torch_checkpoint.create_selective_checkpoint_contexts(ops)  # torch checks the list
@@ -78,7 +85,7 @@ def sac_context(policy: Callable[..., Any] | list, offloader: Any, *,
                         f"ops such as torch.ops.aten.mm.default, not {type(policy).__name__}")
 
     def context_fn() -> tuple[Any, Any]:
-        packer = _Packer(offloader, not allow_cache_entry_mutation)
+        packer = _Packer(offloader, not allow_cache_entry_mutation and isinstance(offloader, Offloader))
         caching, cached = torch_checkpoint.create_selective_checkpoint_contexts(
             packer.wrap(policy), allow_cache_entry_mutation)
         caching.storage = cached.storage = _Storage(packer)

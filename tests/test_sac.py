@@ -160,7 +160,22 @@ def test_outside_the_offloader_and_under_no_offload_saves_stay_in_memory(off_dir
     assert _settled(off).written_bytes <= 2 * BLOCKS * BATCH * SEQ * HIDDEN * 4
 
 
+def test_a_disabled_offloader_is_plain_sac():
+    """``ssdtrain.offload(enabled=False)`` (a flag switched off): SAC as without ssdtrain, exact,
+    the marker SAVE_IN_MEMORY understood."""
+    blocks = _blocks()
+    want = _step(blocks, _plain(save_matmuls))
+    off = ssdtrain.offload(blocks, enabled=False)
+
+    def in_memory(ctx, op, *args, **kwargs):
+        return ssdtrain.SAVE_IN_MEMORY if op in MATMULS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    _equal(_step(blocks, ssdtrain.sac_context(in_memory, off), off), want)
+
+
 def test_bad_policies_are_refused(off_dir):
+    with pytest.raises(TypeError, match="offloader must be an ssdtrain.Offloader"):
+        ssdtrain.sac_context(save_matmuls, "/nvme")
     off = ssdtrain.Offloader(path=str(off_dir))
     with pytest.raises(TypeError, match="policy must be a function"):
         ssdtrain.sac_context("mm", off)
