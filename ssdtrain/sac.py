@@ -88,6 +88,11 @@ def sac_context(policy: Callable[..., Any] | list, offloader: Any, *,
         packer = _Packer(offloader, not allow_cache_entry_mutation and isinstance(offloader, Offloader))
         caching, cached = torch_checkpoint.create_selective_checkpoint_contexts(
             packer.wrap(policy), allow_cache_entry_mutation)
+        if not (isinstance(getattr(caching, "storage", None), dict) and getattr(cached, "storage", None) is
+                caching.storage and hasattr(torch_checkpoint, "_VersionWrapper")):
+            raise RuntimeError(f"ssdtrain.sac_context does not know where torch {torch.__version__}'s selective "
+                               "checkpointing keeps its saves (tested with torch 2.13); use "
+                               "create_selective_checkpoint_contexts directly (its saves then stay in memory)")
         caching.storage = cached.storage = _Storage(packer)
         return caching, cached
 
@@ -125,6 +130,9 @@ def _where(choice: Any) -> str | None:
 # offloader's own pack (when a block of it is open) and stores an object whose ``get_val``
 # unpacks it. The bytes backward gets are those the op produced: gradients are those of SAC
 # alone. Replacing the entry with the marker drops the last reference: the save is freed as any.
+# Only ``_VersionWrapper`` leaves are packed: anything else torch stores is left as it is (were
+# SAC's saves to go through the hooks themselves, as the proposed ``respect_saved_tensors_hooks``
+# would have them, nothing here would pack them a second time).
 class _Storage(dict):
     """SAC's ``{op: {index: outputs}}`` dict; ``packer`` packs its saves."""
 

@@ -173,7 +173,7 @@ def test_a_disabled_offloader_is_plain_sac():
     _equal(_step(blocks, ssdtrain.sac_context(in_memory, off), off), want)
 
 
-def test_bad_policies_are_refused(off_dir):
+def test_bad_policies_are_refused(off_dir, monkeypatch):
     with pytest.raises(TypeError, match="offloader must be an ssdtrain.Offloader"):
         ssdtrain.sac_context(save_matmuls, "/nvme")
     off = ssdtrain.Offloader(path=str(off_dir))
@@ -184,6 +184,9 @@ def test_bad_policies_are_refused(off_dir):
     ctx = ssdtrain.sac_context(lambda ctx, op, *a, **k: "save", off)
     with pytest.raises(TypeError, match="an SAC policy returned 'save'"):
         checkpoint(nn.Linear(4, 4), torch.randn(2, 4, requires_grad=True), use_reentrant=False, context_fn=ctx)
+    monkeypatch.delattr(torch.utils.checkpoint, "_VersionWrapper")  # a torch whose SAC keeps saves otherwise
+    with pytest.raises(RuntimeError, match="does not know where torch"):
+        ssdtrain.sac_context(save_matmuls, off)()
     off.close()
 
 
