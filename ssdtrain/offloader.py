@@ -58,7 +58,8 @@ class Offloader:
     ``with off:`` switches offloading on for what runs inside; leaving it marks the end of a
     forward pass, so wrap each step's forward (backward then starts its reads at once). A
     ``with off:`` around a whole training loop works too: each forward after a backward starts
-    a new step. Either way the object lives until :meth:`close` (or garbage collection).
+    a new step. Either way the object lives until :meth:`close` (or garbage collection). A
+    ``with off:`` inside an open block of the same offloader is part of that block.
     """
 
     def __init__(self, model: nn.Module | list[nn.Module] | None = None, config: OffloadConfig | Mapping | None = None, *,
