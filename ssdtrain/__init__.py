@@ -15,9 +15,11 @@ __all__ = [
     "OffloadConfig",
     "OffloadStats",
     "Offloader",
+    "SAVE_IN_MEMORY",
     "StorageError",
     "no_offload",
     "offload",
+    "sac_context",
 ]
 
 __version__ = "0.1.0"
@@ -28,6 +30,8 @@ _WHERE = {
     "offload": "ssdtrain.switch",
     "no_offload": "ssdtrain.keep",
     "OffloadStats": "ssdtrain.stats",
+    "SAVE_IN_MEMORY": "ssdtrain.sac",
+    "sac_context": "ssdtrain.sac",
     "StorageError": "ssdtrain.store.base",
     "ChecksumError": "ssdtrain.store.base",
 }
@@ -36,6 +40,7 @@ if TYPE_CHECKING:
     from ssdtrain.config import OffloadConfig
     from ssdtrain.keep import no_offload
     from ssdtrain.offloader import Offloader
+    from ssdtrain.sac import SAVE_IN_MEMORY, sac_context
     from ssdtrain.switch import offload
     from ssdtrain.stats import OffloadStats
     from ssdtrain.store.base import ChecksumError, StorageError

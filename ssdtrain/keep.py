@@ -81,9 +81,8 @@ def leave_stale_steps(owner: Any, active: list) -> list:
     """Pops the hooks of ``owner``'s steps (``with off:``) still open on top; returns their scopes.
 
     Note [an interrupt never unbalances a count]: a Ctrl-C as ``Offloader.__exit__`` (or the
-    call in it that pops the hooks) began leaves the hooks pushed and the step open, for good.
-    ``with off:`` blocks do not nest, so a step still open when the next begins, or at
-    ``close()``, is such a one.
+    call in it that pops the hooks) began leaves the hooks pushed and the step open. The next
+    ``with off:`` nests in it (Note [nested blocks are one]); ``close()`` leaves it.
     """
     left = []
     while active and getattr(active[-1][0], "__self__", None) is owner and active[-1][1].stats_id is None:
@@ -228,6 +227,12 @@ def no_offload() -> Iterator[None]:
         yield
 
 
+def in_no_offload() -> bool:
+    """Whether the innermost saved-tensor hooks are :func:`no_offload`'s."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return top is not None and top[1] is _identity
+
+
 def model_list(model: Any) -> list[nn.Module]:
     if model is None:
         return []
@@ -258,8 +263,14 @@ def _is_weight_cast(t: torch.Tensor) -> bool:
     return bool(nxt) and nxt[0][0] is not None and type(nxt[0][0]).__name__ == "AccumulateGrad"
 
 
+# Note [module hooks do nothing when traced]: torch.compile traces these forward hooks into the
+# graph, and a change to a Python list inside ``checkpoint`` (a higher-order op) is a side effect
+# it refuses: the whole checkpointed region would fall back to eager (with SAC, its saves would
+# then bypass the hooks again). A compiled graph's saves are made when it runs, not while these
+# hooks run, so there is nothing for them to tag: traced, they do nothing.
 def bump(depth: list[int], delta: int, module: nn.Module, *args: Any) -> None:
-    depth[0] = max(0, depth[0] + delta)
+    if not torch.compiler.is_compiling():
+        depth[0] = max(0, depth[0] + delta)
 
 
 class LayerTracker:
@@ -269,10 +280,11 @@ class LayerTracker:
         self.stack = stack
 
     def enter(self, index: int, module: nn.Module, args: Any) -> None:
-        self.stack.append(index)
+        if not torch.compiler.is_compiling():
+            self.stack.append(index)
 
     def leave(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.stack:
+        if self.stack and not torch.compiler.is_compiling():
             self.stack.pop()
 
 

@@ -60,7 +60,8 @@ class Offloader:
     ``with off:`` switches offloading on for what runs inside; leaving it marks the end of a
     forward pass, so wrap each step's forward (backward then starts its reads at once). A
     ``with off:`` around a whole training loop works too: each forward after a backward starts
-    a new step. Either way the object lives until :meth:`close` (or garbage collection).
+    a new step. Either way the object lives until :meth:`close` (or garbage collection). A
+    ``with off:`` inside an open block of the same offloader is part of that block.
     """
 
     def __init__(self, model: nn.Module | list[nn.Module] | None = None, config: OffloadConfig | Mapping | None = None, *,
@@ -111,6 +112,7 @@ class Offloader:
         self._scopes = Scopes(on_forget=partial(_learn, self._budget))
         self._layer_stack: list[int] = []
         self._keep_depth = [0]
+        self._nested = 0  # ``with off:`` blocks open inside another of ours: Note [nested blocks are one]
         self._pinned: frozenset[int] = frozenset()
         self._closed = False
         # The model must not keep the offloader alive (its finalizer closes it): hooks hold no self.
@@ -125,7 +127,13 @@ class Offloader:
         return self._backend.name
 
     def __enter__(self) -> Offloader:
-        self._leave_stale_steps()
+        # Note [nested blocks are one]: a ``with off:`` inside an open block of this offloader
+        # (``with off:`` or ``off.microbatch``: a framework's and the user's own) only counts;
+        # its saves go to the outer block, whose exit alone ends the forward. A step whose
+        # ``__exit__`` was cut short as it began is such an outer block: still exact.
+        if self._scopes.opened_by(self):
+            self._nested += 1
+            return self
         self._activate(self._scopes.new_step())
         return self
 
@@ -135,6 +143,9 @@ class Offloader:
                 self._scopes.forget_if_empty(scope)
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if self._nested:
+            self._nested -= 1
+            return
         depth = len(self._scopes.active)
         try:
             scope = self._deactivate(raise_errors=exc_type is None)
@@ -226,6 +237,7 @@ class Offloader:
         if self._closed:
             return
         self._closed = True
+        self._nested = 0
         self._leave_stale_steps()
         with self._lock:
             self._writer.release_held(self._scopes.by_id.values())

@@ -140,6 +140,11 @@ class Scopes:
     def new_step(self) -> Scope:
         return Scope(("step", next(self._steps)))
 
+    def opened_by(self, owner: Any) -> bool:
+        """Whether a block of ``owner`` (``with off:``, ``off.microbatch``) is open: its pack
+        hook is a method of ``owner``."""
+        return any(getattr(r[0], "__self__", None) is owner for r in self.active)
+
     def in_forward(self) -> list[Scope]:
         return [s for s in self.by_id.values() if not s.backward_started]
 

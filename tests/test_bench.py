@@ -1,8 +1,10 @@
 """Tests for ssdtrain/bench/ (``ssdtrain bench``): the run, the drive limit, the measuring helpers."""
 
 import copy
+import gc
 import io
 import json
+import mmap
 import os
 import statistics
 import sys
@@ -457,15 +459,26 @@ def test_saved_meter_on_recompute_adds_block_inputs_and_recomputed_block():
 
 
 def test_rss_sampler_sees_growth():
+    """64 MiB of pages that cannot have been resident before: a fresh anonymous mapping, each
+    page written. (A fresh 64 MiB tensor need not grow RSS: the allocator may hand back pages
+    that earlier tests left resident; in a full run it grew 68 KiB.) No garbage collection in
+    between frees memory of earlier tests."""
     sampler = _measure.RssSampler()
     if not sampler.available:
         pytest.skip("no /proc/self/statm")
-    sampler.start()
-    big = torch.ones(64 << 20, dtype=torch.uint8)  # touched: resident
-    growth = sampler.stop()
-    sampler.close()
+    gc.collect()
+    gc.disable()
+    region = mmap.mmap(-1, 64 << 20)
+    try:
+        sampler.start()
+        for offset in range(0, len(region), mmap.PAGESIZE):
+            region[offset] = 1  # touched: resident
+        growth = sampler.stop()
+    finally:
+        gc.enable()
+        sampler.close()
+        region.close()
     assert growth >= 48 << 20
-    del big
 
 
 def test_progress_bar():

@@ -214,10 +214,10 @@ def test_interrupts_at_random_moments_of_training_leave_nothing_behind(off_dir, 
     assert s.written_bytes > 0
 
 
-def test_a_step_whose_exit_never_ran_is_left_by_the_next(off_dir):
+def test_a_step_whose_exit_never_ran_holds_the_next_as_nested(off_dir):
     """A Ctrl-C as ``__exit__`` begins: the hooks stay pushed and the step open. The next
-    ``with off:`` leaves them first (blocks do not nest); the step after is exact, and close()
-    leaves no hooks behind either."""
+    ``with off:`` is nested in it (Note [nested blocks are one]): that step is exact all the
+    same, and close() pops the hooks left behind."""
     model = _model()
     x = torch.randn(64, 256)
     base = step(model, lambda: model(x).sum(), None)
@@ -226,8 +226,16 @@ def test_a_step_whose_exit_never_ran_is_left_by_the_next(off_dir):
     model(x).sum()  # the forward, then no __exit__: what the interrupt amounts to
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
     assert_same(base, step(model, lambda: model(x).sum(), off))
+    assert_same(base, step(model, lambda: model(x).sum(), off, wait=True))
+    assert off.stats().read_bytes > 0
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    gc.collect()
+    off.wait()
+    s = off.stats()
+    assert s.live_entries == 0 and s.resident_bytes == 0 and s.live_disk_bytes == 0, s
+    off.close()              # on this thread (the hooks are this thread's): pops them
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
-    _settled(off, off_dir)
+    assert list(off_dir.iterdir()) == []
     off2 = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0)
     off2.__enter__()
     off2.close()             # close() pops them too (the hooks are this thread's)

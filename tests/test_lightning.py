@@ -173,6 +173,29 @@ def test_fit_params_equal_with_and_without(gpt, tmp_path, entries):
     assert "training_step" not in vars(module)  # the module is as it was
 
 
+def test_the_users_own_block_inside_the_callbacks(gpt, tmp_path, entries):
+    """A ``with offloader:`` of the user's own around the model's call, inside the callback's
+    around ``training_step`` (Note [nested blocks are one]): exact, nothing left."""
+    lit = _module_class()
+    want = _fit(lit(copy.deepcopy(gpt)), tmp_path / "base")
+    cb = ssd_lightning.OffloadCallback(path=str(tmp_path / "act"), min_bytes=0)
+
+    class OwnBlock(lit):
+        def training_step(self, batch, batch_idx):
+            tokens, targets = batch
+            with cb.offloader:
+                return self.model(tokens, targets)
+
+    entries.clear()
+    module = OwnBlock(copy.deepcopy(gpt))
+    got = _fit(module, tmp_path / "off", [cb])
+    _assert_equal(got, want)
+    assert entries == [True] * (2 * STEPS)  # the callback's, then the user's (nested)
+    s = cb.stats()
+    assert s.written_bytes > 0 and s.read_bytes > 0 and s.live_entries == 0
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
 def test_gradient_accumulation_and_validation(gpt, tmp_path, entries):
     lit = _module_class()
     want = _fit(lit(copy.deepcopy(gpt)), tmp_path / "base", val=True, accumulate_grad_batches=2)

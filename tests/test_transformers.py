@@ -56,14 +56,14 @@ def _data(n, seed=1):
     return [{"input_ids": x, "labels": x, "attention_mask": torch.ones(SEQ, dtype=torch.long)} for x in ids]
 
 
-def _train(model, out_dir, callbacks=(), *, eval_every=None, **args):
+def _train(model, out_dir, callbacks=(), *, eval_every=None, trainer_class=None, **args):
     transformers = _hf()
     targs = transformers.TrainingArguments(
         output_dir=str(out_dir), max_steps=STEPS, per_device_train_batch_size=BATCH,
         gradient_accumulation_steps=ACCUM, learning_rate=1e-2, seed=0, use_cpu=True, report_to=[],
         save_strategy="no", logging_strategy="no", dataloader_num_workers=0, disable_tqdm=True,
         eval_strategy="steps" if eval_every else "no", eval_steps=eval_every, **args)
-    trainer = transformers.Trainer(
+    trainer = (trainer_class or transformers.Trainer)(
         model=model, args=targs, train_dataset=_data(STEPS * ACCUM * BATCH),
         eval_dataset=_data(4, seed=2) if eval_every else None, callbacks=list(callbacks))
     trainer.train()
@@ -233,6 +233,28 @@ def test_evaluation_is_not_offloaded(llama, tmp_path, entries):
     _assert_equal(got, want)
     assert entries == [True] * (STEPS * ACCUM)  # 3 evaluations ran, none entered
     assert cb.stats().saved_bytes == plain.stats().saved_bytes
+
+
+def test_the_users_own_block_around_the_callbacks(llama, tmp_path, entries):
+    """A ``with offloader:`` of the user's own around each loss (a Trainer subclass), the
+    callback's inside it: one step per micro-batch (Note [nested blocks are one]), exact."""
+    transformers = _hf()
+    want = _train(copy.deepcopy(llama), tmp_path / "base")
+    cb = ssd_transformers.OffloadCallback(path=str(tmp_path / "act"), min_bytes=0)
+
+    class OwnBlock(transformers.Trainer):
+        def compute_loss(self, model, inputs, **kwargs):
+            with cb.offloader:
+                return super().compute_loss(model, inputs, **kwargs)
+
+    entries.clear()
+    got = _train(copy.deepcopy(llama), tmp_path / "off", [cb], trainer_class=OwnBlock)
+    _assert_equal(got, want)
+    assert entries == [True] * (2 * STEPS * ACCUM)  # the user's, then the callback's (nested)
+    s = cb.stats()
+    assert s.written_bytes > 0 and s.read_bytes > 0 and s.live_entries == 0
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert not list((tmp_path / "act").rglob("*.*")), "arena files left behind"
 
 
 def test_activation_checkpointing_offloads_the_checkpoints(llama, tmp_path):
