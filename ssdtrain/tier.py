@@ -222,6 +222,7 @@ class CopyClock:
         self.sent = 0
         self.closed = False  # this forward was refused a copy: the rest of it is kept
         self.reference: float | None = None  # device seconds of a forward that copied nothing
+        self.total = 0  # bytes that forward produced: where the peak is, in forward positions
 
     def begin(self) -> None:
         """A forward begins; with the copy rate known and no reference yet, it copies nothing
@@ -235,8 +236,13 @@ class CopyClock:
         self.pos += nbytes
 
     def allows(self, nbytes: int) -> bool:
-        """Whether this forward may copy ``nbytes`` more (and counts them if so)."""
+        """Whether this forward may copy ``nbytes`` more (and counts them if so): within the
+        limit, and due before forward's end (a copy done after the peak frees nothing that
+        matters; its bytes would only come back again)."""
         if self.limit is not None and self.sent + nbytes > self.limit:
+            self.closed = True
+            return False
+        if self.ratio is not None and max(self.tail, self.pos) + nbytes * self.ratio * DUE_MARGIN > self.total:
             self.closed = True
             return False
         self.sent += nbytes
@@ -266,7 +272,9 @@ class CopyClock:
             if self.limit != 0:
                 return  # it copied: not a measure of forward alone
             self.reference = seconds
-        self.reference = min(self.reference, seconds)
+            self.total = produced
+        if seconds <= self.reference:
+            self.reference, self.total = seconds, produced
         self.ratio = produced / self.reference / self.rate
         self.limit = int(COPY_SHARE * self.rate * self.reference)
 

@@ -86,7 +86,12 @@ def test_copy_clock_budget_and_due_positions():
     assert clock.ratio == pytest.approx(6.0)
     assert clock.limit == int(COPY_SHARE * 50e9 * 0.02)
     clock.begin()
-    assert clock.allows(clock.limit // 2) and not clock.allows(clock.limit)
+    clock.produced(10**9)
+    assert clock.allows(clock.limit // 4) and not clock.allows(clock.limit)
+    clock.begin()
+    clock.produced(5 * 10**9)  # late in forward: a copy due after its end is refused
+    assert not clock.allows(200 * 10**6) and clock.closed
+    clock.begin()
     clock.produced(1000)
     d1 = clock.schedule(1000)  # produced at 1000, copied in 1000 x 6 production bytes
     assert d1 == pytest.approx(1000 + 1000 * 6 * DUE_MARGIN)
