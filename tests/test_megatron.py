@@ -72,8 +72,10 @@ def test_flags_become_the_config(tmp_path):
     args = parse(["--ssdtrain", "--ssdtrain-path", str(a), str(b), "--ssdtrain-min-bytes", "64KiB",
                   "--ssdtrain-keep-last-layers", "2", "--ssdtrain-backend", "memory",
                   "--ssdtrain-prefetch-bytes", "32MiB", "--ssdtrain-when-full", "keep", "--ssdtrain-verify",
-                  "--ssdtrain-io-threads", "3", "--ssdtrain-direct-io", "off"])
+                  "--ssdtrain-io-threads", "3", "--ssdtrain-direct-io", "off", "--ssdtrain-host-bytes", "2GiB"])
     cfg = ssd_megatron.config_from_args(args)
+    assert cfg.host_bytes == 2 << 30
+    assert ssd_megatron.config_from_args(parse(["--ssdtrain", "--ssdtrain-host-bytes", "auto"])).host_bytes is None
     assert cfg.paths == (str(a), str(b))
     assert (cfg.min_bytes, cfg.keep_last_layers, cfg.backend) == (64 << 10, 2, "memory")
     assert (cfg.prefetch_bytes, cfg.when_full, cfg.verify) == (32 << 20, "keep", True)
