@@ -1,11 +1,13 @@
-"""Does ``ssdtrain plan`` predict what ``ssdtrain bench`` moves on a slow drive?
+"""Does ``ssdtrain plan`` predict how far ``ssdtrain bench``'s peak falls on a slow drive?
 
 Runs ``ssdtrain bench`` (the bench model; baseline, recompute, offload, recompute+offload) with
 the drive unthrottled, then throttled to 1/2, 1/10 and 1/40 of the rate at which the bench
 model's forward makes activations (measured in the first run). For each run and offload mode it
 gives the planner's drive-limited model (:mod:`ssdtrain.plan_drive`) the bench model's
 dimensions, the drive's rates as the bench reports them, the offloader's settings and a compute
-rate, and compares the bytes it predicts the step writes with the bytes the bench measured.
+rate, and compares the peak's fall it predicts (the bytes written and out of memory before
+forward ends: Note [write what leaves before the peak]) with the fall the bench measured
+(``unique - peak`` per step, the median), and the bytes written likewise.
 
 The compute rate is the one the offload mode achieved in that run (FLOPs of forward over its
 forward seconds; backward likewise): on a shared VM the same forward takes from 0.6 to 3 s from
@@ -18,8 +20,8 @@ beside it, and carries that noise::
     python benchmarks/plan_vs_bench.py                 # about 4 minutes on 2 cores
     python benchmarks/plan_vs_bench.py --steps 3 --fractions 2,10,40 --throttle backend --json out.json
 
-A prediction passes within ``--tolerance`` (20%). The planner's "free" bytes (written in forward
-and read back in time) are shown beside the bytes the bench read back.
+A prediction passes when the predicted fall is within ``--tolerance`` (20%) of the measured one,
+or within one save (an entry is freed whole, and the last one may miss the end by a hair).
 """
 
 from __future__ import annotations
@@ -103,41 +105,47 @@ def compare(runs: list[tuple[float | None, dict]], tolerance: float) -> list[dic
     for k, result in runs:
         for mode in MODES:
             step, fields = predict(result, mode)
-            written_pred, free_pred = step.written_bytes, step.free_bytes
-            from_ref = predict(result, mode, REFERENCE[mode])[0].written_bytes
+            fall_pred = step.free_bytes
+            from_ref = predict(result, mode, REFERENCE[mode])[0].free_bytes
             row = result["modes"][mode]
-            written = row["written_bytes"]
-            ratio = written_pred / written if written else float("nan")
+            fall = row["drive"]["peak_fall_bytes"]
+            ratio = fall_pred / fall if fall else (1.0 if fall_pred == 0 else float("nan"))
+            largest = max((s.nbytes for s in plan_drive.saves(
+                layers=fields["layers"], seq=fields["seq"], hidden=fields["hidden"], heads=fields["heads"],
+                vocab=fields["vocab"], micro_batch=result["model"]["batch"], dtype_bytes=4 if fields["dtype"] == "fp32"
+                else 2, flash=fields["flash"], dropout=fields["dropout"], checkpoint=mode != "offload",
+                head=True, tflops=fields["tflops"], backward_tflops=fields["backward_tflops"])[0]), default=0)
             records.append({
                 "fraction": k, "mode": mode, "drive_gbps": row["drive"]["write_gbps"], "inputs": fields,
-                "predicted_written_bytes": written_pred, "predicted_free_bytes": free_pred,
-                "predicted_written_bytes_from_reference_rate": from_ref,
-                "measured": {key: row[key] for key in ("written_bytes", "read_bytes", "forward_s", "backward_s",
-                                                       "step_time_s", "step_times_s")},
-                "ratio": ratio, "pass": abs(ratio - 1) <= tolerance, "command": _cli(fields, mode)})
+                "predicted_fall_bytes": fall_pred, "predicted_written_bytes": step.written_bytes,
+                "predicted_fall_bytes_from_reference_rate": from_ref, "possible_bytes": step.possible_bytes,
+                "measured": {"peak_fall_bytes": fall, **{key: row[key] for key in (
+                    "written_bytes", "read_bytes", "forward_s", "backward_s", "step_time_s", "step_times_s")}},
+                "ratio": ratio, "pass": abs(ratio - 1) <= tolerance or abs(fall_pred - fall) <= largest,
+                "command": _cli(fields, mode)})
     return records
 
 
 def print_table(records: list[dict], tolerance: float) -> None:
-    head = ("drive GB/s", "mode", "predicted written", "measured written", "ratio", "pass",
-            "from reference rate", "ratio", "predicted free", "measured read", "ratio")
+    head = ("drive GB/s", "mode", "predicted fall", "measured fall", "ratio", "pass", "from reference rate",
+            "possible", "predicted written", "measured written")
     rows = [head]
     for r in records:
         k, m = r["fraction"], r["measured"]
-        written, read = m["written_bytes"], m["read_bytes"]
-        from_ref = r["predicted_written_bytes_from_reference_rate"]
         rows.append((f"{r['drive_gbps']:.3f}" + (" (raw)" if k is None else f" (1/{k:g})"), r["mode"],
-                     f"{r['predicted_written_bytes'] / MIB:.1f} MiB", f"{written / MIB:.1f} MiB", f"{r['ratio']:.2f}",
-                     "yes" if r["pass"] else "NO", f"{from_ref / MIB:.1f} MiB",
-                     f"{from_ref / written:.2f}" if written else "-", f"{r['predicted_free_bytes'] / MIB:.1f} MiB",
-                     f"{read / MIB:.1f} MiB", f"{r['predicted_free_bytes'] / read:.2f}" if read else "-"))
+                     f"{r['predicted_fall_bytes'] / MIB:.1f} MiB", f"{m['peak_fall_bytes'] / MIB:.1f} MiB",
+                     f"{r['ratio']:.2f}", "yes" if r["pass"] else "NO",
+                     f"{r['predicted_fall_bytes_from_reference_rate'] / MIB:.1f} MiB",
+                     f"{r['possible_bytes'] / MIB:.1f} MiB", f"{r['predicted_written_bytes'] / MIB:.1f} MiB",
+                     f"{m['written_bytes'] / MIB:.1f} MiB"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     print()
     for i, row in enumerate(rows):
         print("  ".join(c.ljust(w) if j < 2 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths))))
         if i == 0:
             print("  ".join("-" * w for w in widths))
-    print(f"\n{sum(r['pass'] for r in records)}/{len(records)} predictions within {tolerance:.0%}; "
+    print(f"\n{sum(r['pass'] for r in records)}/{len(records)} predictions of the peak's fall within {tolerance:.0%} "
+          "(or one save); "
           "compute rate: each offload mode's own, in its run; the first prediction's command:")
     print("  " + records[0]["command"])
 

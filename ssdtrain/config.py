@@ -215,6 +215,12 @@ class OffloadConfig:
     from backward's waits: ``stats().budget_kept_bytes``), or ``"wait"`` for the drive (memory
     first: everything eligible is written, and the waits show in
     ``stats().backpressure_stall_seconds`` and ``read_stall_seconds``)."""
+    late_writes: bool = False
+    """With ``when_full="keep"``: also write a step's saves whose write is predicted to end after
+    the step's peak (the end of its forward). Such writes lower no peak of saved activations
+    (``stats().peak_kept_bytes`` counts what is kept instead) but cost drive time and wear; turn
+    them on only where the step's memory peaks later, in backward (large gradients, say).
+    Micro-batches (``off.microbatch``) always write them: a pipeline stage's peak comes later."""
     on_error: str = "raise"
     """A failed write: ``"raise"`` at the next step boundary, or ``"keep"`` the tensor in memory
     (with one warning). A failed read always raises: garbage is never returned."""
@@ -288,7 +294,7 @@ class OffloadConfig:
         _int_in("io_threads", self.io_threads, 1, MAX_IO_THREADS)
         if self.max_inflight_bytes == 0:
             raise ValueError("max_inflight_bytes=0 would keep every write waiting; give a size > 0 (e.g. '1GiB')")
-        for name in ("verify", "create_path"):
+        for name in ("verify", "create_path", "late_writes"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={_show(getattr(self, name))} must be True or False")
         # Identity, not equality: 0 == False and 1.0 == True, but neither says what was meant.

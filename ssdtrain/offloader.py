@@ -27,6 +27,7 @@ from ssdtrain import device, keep
 from ssdtrain.cache import Cache, Entry, Parts, Ref, Small, State, byte_span, entry_span, rebuild
 from ssdtrain.config import OffloadConfig
 from ssdtrain.endurance import EnduranceMonitor
+from ssdtrain.peak import DriveMeter, PeakClock, possible_bytes
 from ssdtrain.schedule import DriveAdvice, KeepPolicy, ReadWindow, Scope, Scopes, WriteBudget, find_blocks
 from ssdtrain.stats import Counters, OffloadStats
 from ssdtrain.store import Backend, StorageError, make_backend
@@ -79,7 +80,9 @@ class Offloader:
         self._backend: Backend = store if store is not None else make_backend(config)  # checks the paths
         self._tier: TieredBackend | None = None
         self._tier_devices = _TIER_DEVICES
-        if config.host_bytes != 0 and (torch.cuda.is_available() or "cpu" in _TIER_DEVICES):
+        # A CUDA build of torch: a build flag, no driver call (a CPU step must not touch CUDA,
+        # tests/test_import.py); the tier starts only at the first CUDA save.
+        if config.host_bytes != 0 and (torch.backends.cuda.is_built() or "cpu" in _TIER_DEVICES):
             self._backend = self._tier = TieredBackend(self._backend, config.host_bytes)
         self._fwd_timer: device.GpuTimer | None = None
         self._ordered: tuple = ()  # the last (copy fence, stream) ordered (Offloader._copy_due)
@@ -95,6 +98,9 @@ class Offloader:
             self._endurance = EnduranceMonitor(list(config.paths), config.rated_tbw, config.endurance_horizon_days)
         self._failures = WriteFailures(config.on_error)
         self._budget = WriteBudget(_now(), 1 << 20)
+        self._meter = DriveMeter()
+        self._peak = PeakClock(self._meter)  # Note [write what leaves before the peak]
+        self._peak.enforce = config.when_full == "keep" and not config.late_writes
         self._advice = DriveAdvice()
         self._policy = KeepPolicy(min_bytes=config.min_bytes, when_full=config.when_full, budget=self._budget,
                                   keep_from_layer=len(self._blocks) - config.keep_last_layers
@@ -103,7 +109,8 @@ class Offloader:
         writing = 2 * config.chunk_bytes * config.io_threads * len(config.paths)
         self._writer = WriteQueue(self._backend, self._cache, self._lock, max_inflight_bytes=config.max_inflight_bytes,
                                   max_writing_bytes=writing, verify=config.verify, budget=self._budget,
-                                  failures=self._failures, endurance=self._endurance)
+                                  failures=self._failures, endurance=self._endurance, meter=self._meter,
+                                  clock=_clock, gate=self._peak.may_start)
         self._graveyard: deque = deque()
         self._window = ReadWindow(max(2 * config.chunk_bytes, 16 << 20), config.prefetch_bytes, _now())
         self._reader = Reader(self._backend, self._cache, self._lock, self._window, self._budget,
@@ -114,6 +121,7 @@ class Offloader:
         self._keep_depth = [0]
         self._nested = 0  # ``with off:`` blocks open inside another of ours: Note [nested blocks are one]
         self._pinned: frozenset[int] = frozenset()
+        self._reads_pending = False  # a scope in backward may still read ahead (Offloader._read_on)
         self._closed = False
         # The model must not keep the offloader alive (its finalizer closes it): hooks hold no self.
         self._hook_handles = keep.install_hooks(self._blocks, kept_modules, self._layer_stack, self._keep_depth)
@@ -265,7 +273,14 @@ class Offloader:
         save waits])."""
         self._writer.release_held(self._scopes.in_forward())
         self._scopes.by_id[scope.id] = scope
-        scope.tally = self._budget.new_step(_now())
+        now = _now()
+        scope.tally = self._budget.new_step(now)
+        scope.unique_at_start = self._counters.total.unique_bytes
+        self._counters.forward_peak = self._counters.total.resident_bytes
+        if scope.stats_id is None:  # a step: Note [write what leaves before the peak]
+            self._peak.begin(scope, now)
+        else:  # a micro-batch: its stage's peak is elsewhere
+            self._peak.active = False
         if self._tier is not None:
             self._tier_forward_begins()
 
@@ -284,7 +299,8 @@ class Offloader:
             msg = self._endurance.check()
             if msg:
                 warnings.warn(msg, RuntimeWarning, stacklevel=3)
-        if not self._advice.given and self._tier is None:  # Note [say when the drive carries little]
+        tier_used = self._tier is not None and self._tier.pool is not None
+        if not self._advice.given and not tier_used:  # Note [say when the drive carries little]
             with self._lock:
                 t = self._counters.total
                 msg = self._advice.observe(t.unique_bytes, t.written_bytes,
@@ -322,6 +338,8 @@ class Offloader:
             self._check_open()
             scope = self._step_scope()
             with self._lock:
+                if self._peak.active:
+                    self._peak.produced(t.numel() * t.element_size(), _now())
                 return self._cache.small.add(t, storage, scope.stats_id)
         with profiled("ssdtrain.pack"):
             self._check_open()
@@ -331,22 +349,29 @@ class Offloader:
             lo, hi = entry_span(view_lo, view_hi, t.untyped_storage().nbytes())
             layer = self._layer_stack[-1] if self._layer_stack else None
             with self._lock:
+                if self._peak.active:
+                    self._peak.produced(t.numel() * t.element_size(), _now())
                 entry = self._cache.index.find(t, view_lo, view_hi)
-                if entry is None and self._budget_closed(t):  # Note [a save the budget keeps skips the cache]
-                    return self._cache.small.add(t, storage, scope.stats_id, "budget_kept_bytes")
-                self._counters.add(scope.stats_id, "saved_bytes", t.numel() * t.element_size())
-                fresh = entry is None
-                try:
-                    if fresh:
-                        entry = self._new_entry(t, lo, hi, scope, layer)
-                    ref = Ref(entry, t, self._graveyard)
-                except BaseException:
-                    if fresh and entry is not None and entry.refs == 0:  # interrupted: nothing holds it
-                        self._drop_ref(entry, -1, None)
-                    raise
-            if entry.state is State.QUEUED:
+                small = None
+                if entry is None:  # Note [a save the budget keeps skips the cache]
+                    why = self._kept_at_once(t, hi - lo)
+                    if why is not None:
+                        small = self._cache.small.add(t, storage, scope.stats_id, why)
+                        self._writer.passed(scope, hi - lo)
+                if small is None:
+                    self._counters.add(scope.stats_id, "saved_bytes", t.numel() * t.element_size())
+                    fresh = entry is None
+                    try:
+                        if fresh:
+                            entry = self._new_entry(t, lo, hi, scope, layer)
+                        ref = Ref(entry, t, self._graveyard)
+                    except BaseException:
+                        if fresh and entry is not None and entry.refs == 0:  # interrupted: nothing holds it
+                            self._drop_ref(entry, -1, None)
+                        raise
+            if self._writer.pending:
                 self._writer.pump()
-            return ref
+            return ref if small is None else small
 
     def _pack_parts(self, t: torch.Tensor) -> Any:
         """Note [a DTensor is saved by its parts]: each tensor part packed as a save of its own."""
@@ -359,7 +384,7 @@ class Offloader:
 
     def _new_entry(self, t: torch.Tensor, lo: int, hi: int, scope: Scope, layer: int | None) -> Entry:
         """Under the lock: a new entry, kept or queued for writing (Note [write only what comes
-        back in time] for the budget)."""
+        back in time] for the budget, Note [write what leaves before the peak] for the time)."""
         e = self._cache.new(next(self._ids), t, lo, hi, scope, layer)
         scope.live_entries += 1
         n = e.nbytes
@@ -368,7 +393,9 @@ class Offloader:
             self._tier.clock.produced(n)
             if self._fwd_dev is None and e.device.type == "cuda":
                 self._fwd_dev = e.device  # forwards are timed on it from the next one on
-        choice = self._policy.decide(n, layer, self._writer.has_room(n), budget=self._tier.clock if tier else None)
+        late = not tier and not self._peak.fits(n, self._writer.queued_bytes, _now())
+        choice = self._policy.decide(n, layer, self._writer.has_room(n), budget=self._tier.clock if tier else None,
+                                     late=late)
         if choice == "wait":
             waited = self._writer.wait_for_room(n, self._scopes.by_id.values())
             for field, amount in (("backpressure_waits", 1), ("backpressure_stall_seconds", waited),
@@ -380,6 +407,9 @@ class Offloader:
                 self._counters.add(scope.stats_id, "backpressure_keeps", 1)
             elif choice == "budget":
                 self._counters.add(scope.stats_id, "budget_kept_bytes", n)
+            elif choice == "late":
+                self._counters.add(scope.stats_id, "peak_kept_bytes", n)
+            self._writer.passed(scope, n)  # pumped by pack's caller if so: the entry is not queued
             return e
         extent = self._tier.allocate_host(n, e.device) if tier else None
         if extent is not None:
@@ -439,13 +469,19 @@ class Offloader:
     # the training thread's cost; on a GPU most of a forward's saves are such (the drive took 1%
     # of them on an H100, 2026-11-24; the copy engine about 15%), and the host has about 15 us per
     # save of slack there. A storage that already has an entry keeps using it.
-    def _budget_closed(self, t: torch.Tensor) -> bool:
-        """Under the lock: whether ``t``'s forward has closed its budget (so ``t`` will be kept)."""
+    def _kept_at_once(self, t: torch.Tensor, nbytes: int) -> str | None:
+        """Under the lock: whether a new save of ``t`` (``nbytes``) will be kept whatever its entry
+        would say, and why (the counter its bytes add to): its forward closed its budget, or its
+        write would end after the peak (Note [write what leaves before the peak])."""
         if self.config.when_full != "keep":
-            return False
+            return None
         if self._tier is not None and t.device.type in self._tier_devices:
-            return self._tier.clock.closed
-        return self._budget.current.bound
+            return "budget_kept_bytes" if self._tier.clock.closed else None
+        if self._budget.current.bound:
+            return "budget_kept_bytes"
+        if nbytes >= self.config.min_bytes and not self._peak.fits(nbytes, self._writer.queued_bytes, _now()):
+            return "peak_kept_bytes"
+        return None
 
     # -- the host tier ------------------------------------------------------------------------------
     def _copy_due(self, e: Entry) -> bool:
@@ -492,6 +528,8 @@ class Offloader:
         if isinstance(ref, torch.Tensor):
             return ref
         if type(ref) is Small:
+            if self._reads_pending and (self._cache.small.dead or self._graveyard):
+                self._read_on()
             return ref.unpack()
         if type(ref) is Parts:
             return ref.rebuild(self._unpack)
@@ -526,6 +564,24 @@ class Offloader:
                 fut, buf = self._reader.claim(e)
             return device.for_consumer(self._reader.finish(e, ref, fut, buf))
 
+    # Note [reads go on while kept saves are used]
+    # Read-ahead advances at unpacks (Reader.prefetch), into the memory backward frees. In the
+    # drive-limited regime most saves are kept, held as small saves are (Note [a save the budget
+    # keeps skips the cache]), and their unpacks skip the engine: a backward made of them would
+    # issue no read until it reached the first offloaded save, and then wait for all of them
+    # (measured on the bench model at 100 MB/s: 1.1 s of waits in a 6 s step). So while a scope
+    # in backward has saves left to read, a small save's unpack that finds saves died since
+    # settles them (the memory they free is room for reads) and moves the read-ahead on.
+    def _read_on(self) -> None:
+        self._drain()
+        with self._lock:
+            pending = False
+            for scope in list(self._scopes.by_id.values()):
+                if scope.backward_started and scope.cursor >= 0:
+                    self._reader.prefetch(scope, scope.layer_now)
+                    pending = pending or scope.cursor >= 0
+            self._reads_pending = pending
+
     def _begin_backward(self, scope: Scope) -> None:
         """Under the lock. Adaptive keep: writes still queued are exactly what backward needs
         first, so cancel them and keep those tensors; then start reading the tail."""
@@ -533,12 +589,32 @@ class Offloader:
         scope.held = None  # cancelled below with the rest of the queue
         if self._fwd_timer is not None:
             self._fwd_timer.stop(self._fwd_dev)
+        now = _now()
+        step = scope.stats_id is None
+        if step and self._peak.active:
+            self._forward_ended(scope, now)
         scope.restart()
         for e in scope.queued():
             self._writer.cancel(e)
             self._counters.add(scope.stats_id, "adaptive_keep_bytes", e.nbytes)
-        self._window.begin_pass(_now(), self._counters.total.resident_bytes)
+        self._window.begin_pass(now, self._counters.total.resident_bytes,
+                                peak=self._counters.forward_peak if step else None)
+        self._reads_pending = True
         self._reader.prefetch(scope, None)
+
+
+    def _forward_ended(self, scope: Scope, now: float) -> None:
+        """Under the lock: a step's forward ended, here its peak: what left memory before it
+        (its saves on storage only), against what the drive could have taken."""
+        seconds = self._peak.end(now)
+        t = self._counters.total
+        t.peak_fall_bytes = sum(e.nbytes for e in scope.order if e.state is State.ON_DISK)
+        t.peak_bound_bytes = possible_bytes(self._meter.rate, seconds, t.unique_bytes - scope.unique_at_start)
+        t.drive_write_bps = self._meter.rate
+
+
+def _clock() -> float:
+    return _now()  # the seam, looked up at each call
 
 
 def _learn(budget: WriteBudget, scope: Scope) -> None:

@@ -28,9 +28,11 @@ dimensions, the achieved compute rate and the drive, with the same rules the off
   over at once if it may (so the last save still sends the one before it). Queued
   saves go to the drive in pack order, at most
   ``handoff_bytes`` handed over at once (one more when none is in flight); the drive writes them
-  one after another at ``B_write``. When backward begins, what is still queued is cancelled and
-  kept (adaptive keep); what was handed over and not yet written is written during backward
-  but stays in memory (the *tail*: written, not freed); what was written frees its memory.
+  one after another at ``B_write``. Note [write what leaves before the peak] (``peak.py``): a
+  write that would end after forward ends is not made (its save stays in memory; a later,
+  smaller one may still fit); what was written frees its memory before the peak, which falls by
+  that much (``free_bytes``), of at most ``min(B_write * T_forward, saved)`` (``possible_bytes``).
+  When backward begins, what is still queued is cancelled and kept (adaptive keep).
 * **Reads**: what was written before backward began is read back in reverse pack order from
   the moment backward begins, at ``B_read``, one after another (the read-ahead window is assumed
   never to hold them back: the room backward frees is theirs). A read that ends after its save
@@ -172,10 +174,15 @@ class DriveStep:
     capacity_bytes: float
     """``min(B_write * T_forward, B_read * T_backward)``: what the drive could carry (under 1F1B,
     ``min(B_write, B_read) * (T_forward + T_backward)``)."""
+    possible_bytes: float
+    """``min(B_write * T_forward, saved)``: the most the peak could fall by (under 1F1B, with the
+    slot in place of the forward)."""
     free_bytes: int
-    """Written during forward and read back in time: the memory offloading frees, at no cost."""
+    """Written during forward and read back in time: the memory offloading frees, at no cost,
+    before the peak: the peak's fall."""
     tail_bytes: int
-    """Handed to the drive and not written when backward began: written, but not freed."""
+    """Handed to the drive and not written when backward began: written, but not freed (none in
+    a step: such writes are not made; under 1F1B, none either)."""
     written_bytes: int
     """``free_bytes + tail_bytes``: what the step writes."""
     kept_bytes: int
@@ -205,28 +212,30 @@ def _queue(saves_: list[Save], eligible: list[int]) -> list[tuple[int, float]]:
 
 
 def _write(saves_: list[Save], queue: list[tuple[int, float]], forward_s: float, bps: float,
-           handoff: int) -> list[float | None]:
-    """Completion time of each queued write (None: still queued when backward began)."""
+           handoff: int, deadline: float | None = None) -> list[float | None]:
+    """Completion time of each queued write (None: still queued when backward began, or not made
+    because it would end after ``deadline``)."""
     order = [i for i, _ in queue]
     done: list[float | None] = [None] * len(order)
     end = 0.0          # when the drive finishes what it was handed
-    first = 0          # oldest write handed over and maybe not done
+    flight: list[tuple[float, int]] = []  # (end, bytes) of the writes handed over, oldest first
     inflight = 0
     for k, i in enumerate(order):
-        ready = queue[k][1]
         # Handed over once the writes in flight are under ``handoff`` bytes (or none is left).
-        t = ready
-        while first < k and inflight >= handoff:
-            t = max(t, done[first])
-            inflight -= saves_[order[first]].nbytes
-            first += 1
-        while first < k and done[first] <= t:
-            inflight -= saves_[order[first]].nbytes
-            first += 1
+        t = queue[k][1]
+        while flight and inflight >= handoff:
+            t = max(t, flight[0][0])
+            inflight -= flight.pop(0)[1]
+        while flight and flight[0][0] <= t:
+            inflight -= flight.pop(0)[1]
         if t > forward_s:
             break  # backward began: the rest is cancelled (a save's pack hands over before it ends)
-        end = max(end, t) + saves_[i].nbytes / bps
-        done[k] = end
+        finish = max(end, t) + saves_[i].nbytes / bps
+        if deadline is not None and finish > deadline:
+            done[k] = math.inf  # not made: it would end after the peak; its save stays in memory
+            continue
+        end = done[k] = finish
+        flight.append((finish, saves_[i].nbytes))
         inflight += saves_[i].nbytes
     return done
 
@@ -258,10 +267,11 @@ def simulate(saves_: list[Save], *, forward_s: float, backward_s: float, write_b
     # The writes' time: until backward begins; in a pipeline, one slot's share of the drive.
     until = forward_s + backward_s if pipelined else forward_s
     lead = forward_s if pipelined else 0.0  # reads start a slot early, as another forward runs
-    done = _write(saves_, queue, until, write_bps, handoff_bytes)
+    done = _write(saves_, queue, until, write_bps, handoff_bytes, None if pipelined else forward_s)
     freed = [i for i, t in zip(order, done) if t is not None and t <= until]
     # A pipeline's micro-batch has no tail: a write past its slot's share takes the next one's.
-    tail = 0 if pipelined else sum(saves_[i].nbytes for i, t in zip(order, done) if t is not None and t > until)
+    tail = 0 if pipelined else sum(saves_[i].nbytes for i, t in zip(order, done)
+                                   if t is not None and until < t < math.inf)
     wait = _read_wait(saves_, freed, read_bps, lead)
     bound = False
     tolerance = max(MIN_DRIVE_STALL, DRIVE_BOUND * (forward_s + backward_s))
@@ -273,7 +283,8 @@ def simulate(saves_: list[Save], *, forward_s: float, backward_s: float, write_b
     free = sum(saves_[i].nbytes for i in freed)
     return DriveStep(
         saved_bytes=total, eligible_bytes=sum(saves_[i].nbytes for i in order),
-        capacity_bytes=min(write_bps * until, read_bps * (backward_s + lead)), free_bytes=free, tail_bytes=tail,
+        capacity_bytes=min(write_bps * until, read_bps * (backward_s + lead)),
+        possible_bytes=min(write_bps * until, total), free_bytes=free, tail_bytes=tail,
         written_bytes=free + tail, kept_bytes=total - free, read_wait_s=wait, budget_bound=bound,
         forward_s=forward_s, backward_s=backward_s,
     )
@@ -388,9 +399,12 @@ def format_drive(section: dict) -> list[str]:
             continue
         d = best["drive"]
         share = d["free_bytes"] / d["saved_bytes"] if d["saved_bytes"] else 0.0
+        possible = d["free_bytes"] / d["possible_bytes"] if d["possible_bytes"] else 0.0
         lines.append(
-            f"  {mode}: offloads {_gib(best['free_bytes_per_step'])} per step at no cost ({share:.0%} of "
-            f"{_gib(best['saved_bytes_per_step'])} saved; writes {_gib(best['written_bytes_per_step'])}); "
+            f"  {mode}: the peak falls by {_gib(d['free_bytes'])} per micro-batch at no cost ({share:.0%} of "
+            f"{_gib(d['saved_bytes'])} saved; {possible:.0%} of the possible {_gib(d['possible_bytes'])}, what the "
+            f"drive writes in {'a slot' if best['stages'] > 1 else 'forward'}); "
+            f"{_gib(best['free_bytes_per_step'])} of {_gib(best['saved_bytes_per_step'])} per step; "
             f"{best['stages']} stage(s), micro-batch {best['micro_batch']} (max {row['max_micro_batch']}), "
             f"bubble {best['bubble_fraction']:.1%}, {best['memory_gib']:.1f} GiB/GPU, step {best['step_time_s']:.3f}s")
         if best["stages"] > 1:

@@ -34,8 +34,11 @@ class Reader:
 
     def prefetch(self, scope: Scope, layer: int | None) -> None:
         """Reads the entries ``scope`` will need next, as far as the window allows."""
+        if layer is not None:
+            scope.layer_now = layer
         limit = self._window.limit(self._counters.total.resident_bytes, scope.ahead)
-        for e in scope.advance(layer, max_bytes=limit, max_layers=self._max_layers):
+        strict = self._window.peak is not None  # Note [reads never raise the peak]
+        for e in scope.advance(layer, max_bytes=limit, max_layers=self._max_layers, strict=strict):
             self.issue(e)
 
     def issue(self, e: Entry) -> None:

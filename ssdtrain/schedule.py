@@ -56,6 +56,8 @@ class Scope:
         self.armed = False       # backward announced, nothing unpacked yet
         self.held: Entry | None = None  # the last save, its write not queued yet (engine's Note)
         self.tally: Tally | None = None  # its forward's, in the write budget
+        self.unique_at_start = 0  # the offloader's unique bytes when its forward began
+        self.layer_now: int | None = None  # the block backward was last seen in
 
     def add(self, entry: Entry) -> None:
         self.order.append(entry)
@@ -74,7 +76,8 @@ class Scope:
         for e in self.order:
             e.counted_ahead = False
 
-    def advance(self, layer: int | None, *, max_bytes: int, max_layers: int | None) -> list[Entry]:
+    def advance(self, layer: int | None, *, max_bytes: int, max_layers: int | None,
+                strict: bool = False) -> list[Entry]:
         """Entries to read now: the next ones, going down the pack order from the cursor.
 
         Backward needs entries roughly in reverse pack order. The cursor never jumps to where
@@ -82,7 +85,8 @@ class Scope:
         tensor) must not make the window skip everything between; entries it has passed and
         not read are read on demand. The window holds at most ``max_bytes`` read ahead and
         unused and, with block tags and ``max_layers`` set, reaches at most ``max_layers`` blocks
-        below the running ``layer``. Amortised O(1): the cursor only moves down.
+        below the running ``layer``; only the first entry read ahead may overshoot it, and none
+        when ``strict`` (a step's peak caps it). Amortised O(1): the cursor only moves down.
         """
         if layer is None:
             # Above the blocks (head, loss): the window counts from the top block.
@@ -92,6 +96,8 @@ class Scope:
             e = self.order[self.cursor]
             if max_layers is not None and layer is not None and e.layer is not None and e.layer < layer - max_layers:
                 break
+            if (self.ahead or strict) and self.ahead + e.nbytes > max_bytes and e.state is State.ON_DISK:
+                break  # the first may overshoot the window (else nothing large is read ahead), unless strict
             self.cursor -= 1
             if e.refs <= 0 or e.error is not None:
                 continue
@@ -202,13 +208,16 @@ class ReadWindow:
         self.floor = self.bytes = min(floor, cap)
         self.cap = cap
         self.ceiling = 0
+        self.peak: int | None = None
         self._start = now
         self._stall = 0.0
         self._misses = 0
         self._last = 0.0
 
-    def begin_pass(self, now: float, resident: int) -> None:
-        """A backward pass begins with ``resident`` saved bytes in memory."""
+    def begin_pass(self, now: float, resident: int, peak: int | None = None) -> None:
+        """A backward pass begins with ``resident`` saved bytes in memory; ``peak``: the most its
+        step's forward held (a step's, not a micro-batch's: a stage's peak is elsewhere), which
+        reads never exceed."""
         elapsed = now - self._start
         if self._stall > STALL_BUDGET * elapsed:
             self.bytes = min(2 * self.bytes, self.cap)
@@ -216,6 +225,7 @@ class ReadWindow:
             self.bytes = max(self.floor, self.bytes - self.bytes // 4)
         self._start, self._stall, self._misses, self._last = now, 0.0, 0, elapsed
         self.ceiling = resident
+        self.peak = None if peak is None else max(peak, resident)
 
     def stalled(self, now: float, waited: float) -> None:
         """Backward waited ``waited`` seconds for a read."""
@@ -231,7 +241,10 @@ class ReadWindow:
         ``ahead`` are read ahead already."""
         if self.cap == 0:
             return 0  # prefetch_bytes=0: no read-ahead at all
-        return self.bytes + max(0, self.ceiling - (resident - ahead))
+        limit = self.bytes + max(0, self.ceiling - (resident - ahead))
+        if self.peak is not None:  # Note [reads never raise the peak]: not the step's either
+            limit = min(limit, max(0, self.peak - (resident - ahead)))
+        return limit
 
 
 class Tally:
@@ -379,16 +392,20 @@ class KeepPolicy:
         self.when_full = when_full
         self.budget = budget
 
-    def decide(self, nbytes: int, layer: int | None, has_room: bool, budget: Any = None) -> str:
+    def decide(self, nbytes: int, layer: int | None, has_room: bool, budget: Any = None, late: bool = False) -> str:
         """``"write"``; ``"wait"`` (for room, then write); or why the entry is kept: ``"small"``,
-        ``"last_layers"``, ``"full"`` (no room) or ``"budget"`` (Note [write only what comes
-        back in time]). ``budget``: another budget to consult (the host tier's, for its saves)."""
+        ``"last_layers"``, ``"full"`` (no room), ``"late"`` (its write would end after the peak:
+        ``late``, Note [write what leaves before the peak] in ``peak.py``) or ``"budget"`` (Note
+        [write only what comes back in time]). ``budget``: another budget to consult (the host
+        tier's, for its saves)."""
         if nbytes < self.min_bytes:
             return "small"
         if self.keep_from_layer is not None and layer is not None and layer >= self.keep_from_layer:
             return "last_layers"
         if not has_room:
             return "full" if self.when_full == "keep" else "wait"
+        if late and self.when_full == "keep":
+            return "late"
         if self.when_full == "keep" and not (budget or self.budget).allows(nbytes):
             return "budget"
         return "write"

@@ -34,6 +34,17 @@ class OffloadStats:
     budget_kept_bytes: int = 0
     """Of those, bytes kept because the drive could not have carried them back in time (the
     write budget, learned from backward's waits)."""
+    peak_kept_bytes: int = 0
+    """Of those, bytes kept because their write would have ended after the step's peak (the end
+    of its forward), where it frees nothing that matters."""
+    peak_fall_bytes: int = 0
+    """The last step's: bytes its saves had left memory for storage when its forward ended (its
+    peak): what offloading took off that peak."""
+    peak_bound_bytes: int | None = None
+    """The last step's: what the drive could have taken before its peak, ``min(drive_write_bps x
+    forward seconds, unique bytes saved)``; ``None`` before the drive's rate is known."""
+    drive_write_bps: float | None = None
+    """The drive's write rate as measured while it was writing (bytes per second)."""
     write_budget_bytes: int | None = None
     """Bytes a step may write now; ``None`` while no limit was needed."""
     forwarded_bytes: int = 0
@@ -95,6 +106,11 @@ class OffloadStats:
         return dataclasses.asdict(self)
 
     @property
+    def peak_fall_share(self) -> float | None:
+        """``peak_fall_bytes / peak_bound_bytes``: how much of the possible the peak fell by."""
+        return self.peak_fall_bytes / self.peak_bound_bytes if self.peak_bound_bytes else None
+
+    @property
     def prefetch_hit_rate(self) -> float:
         total = self.prefetch_hits + self.prefetch_misses
         return self.prefetch_hits / total if total else 1.0
@@ -111,6 +127,7 @@ class Counters:
         self.total = OffloadStats()
         self.per_scope: dict[Any, dict[str, Any]] = {}
         self.timeline: list[tuple[float, int]] | None = None
+        self.forward_peak = 0  # the most resident since the last forward began
 
     def add(self, scope_id: Any, field: str, amount: float) -> None:
         setattr(self.total, field, getattr(self.total, field) + amount)
@@ -125,6 +142,8 @@ class Counters:
         t.resident_bytes = max(0, t.resident_bytes + delta)
         if t.resident_bytes > t.peak_resident_bytes:
             t.peak_resident_bytes = t.resident_bytes
+        if t.resident_bytes > self.forward_peak:
+            self.forward_peak = t.resident_bytes
         if self.timeline is not None:
             self.timeline.append((time.perf_counter(), t.resident_bytes))
 

@@ -23,6 +23,9 @@ from ssdtrain.store._mem import profiled
 
 __all__ = ["WriteQueue", "WriteFailures"]
 
+WRITE_AHEAD = 0.02
+"""Seconds of the drive's (measured) writing handed to it at once: ``WriteQueue._writing_cap``."""
+
 
 class WriteQueue:
     """Writes of offloaded entries, oldest first, at most ``max_inflight_bytes`` of them.
@@ -41,11 +44,16 @@ class WriteQueue:
         budget: the :class:`~ssdtrain.schedule.WriteBudget`, told the bytes each step wrote.
         failures: where a failed write's error goes (:class:`WriteFailures`).
         endurance: the :class:`~ssdtrain.endurance.EnduranceMonitor` counting bytes per drive, if any.
+        meter: the :class:`~ssdtrain.peak.DriveMeter` told when drive writes start and finish
+            (the host tier's are not the drive's), with ``clock``'s times.
+        gate: ``gate(scope, nbytes, now)``, whether a queued drive write may start now
+            (:meth:`ssdtrain.peak.PeakClock.may_start`); one it refuses stays in memory.
     """
 
     def __init__(self, backend: Backend, cache: Cache, lock: threading.Lock, *, max_inflight_bytes: int,
                  max_writing_bytes: int, verify: bool, budget: Any, failures: WriteFailures,
-                 endurance: Any = None) -> None:
+                 endurance: Any = None, meter: Any = None, clock: Any = time.perf_counter,
+                 gate: Any = None) -> None:
         self._backend = backend
         self._cache = cache
         # ``with`` takes the lock itself: Condition.__enter__ is Python code, and a
@@ -58,6 +66,9 @@ class WriteQueue:
         self._budget = budget
         self._failures = failures
         self._endurance = endurance
+        self._meter = meter
+        self._clock = clock
+        self._gate = gate
         self._queue: deque[Entry] = deque()
         self.inflight_bytes = 0  # queued (held too) or being written
         self._flight: dict[int, tuple[Entry, Any]] = {}  # entry id -> (entry, future): being written
@@ -85,6 +96,17 @@ class WriteQueue:
         if held is not None:
             self._enqueue(held)
         scope.held = e
+
+    def passed(self, scope: Any, nbytes: int) -> bool:
+        """A save of ``nbytes`` came after ``scope``'s held one and is kept: the held one is not
+        the last save any more (unless this one is under a quarter of its size, as in
+        :meth:`hold`), so it joins the queue. Returns whether it did."""
+        held = scope.held
+        if held is None or 4 * nbytes < held.nbytes:
+            return False
+        self._enqueue(held)
+        scope.held = None
+        return True
 
     def release_held(self, scopes: Iterable[Any]) -> None:
         """The held last saves of ``scopes`` join the queue."""
@@ -149,15 +171,20 @@ class WriteQueue:
         submitting = None
         try:
             with self._lock:
-                while self._queue and (not self._flight or self._writing_bytes < self._max_writing):
+                cap = self._writing_cap()
+                while self._queue and (not self._flight or self._writing_bytes < cap):
                     # Note [an interrupt never unbalances a count]: in this order, whatever step
                     # an interrupt stops at, _interrupted finds ``e`` and undoes it.
                     e = self._queue[0]
-                    if e.state is State.QUEUED:
+                    if e.state is State.QUEUED and self._late(e):
+                        pass  # Note [write what leaves before the peak]: kept (by _late)
+                    elif e.state is State.QUEUED:
                         batch.append((e, e.data))
                         e.state = State.WRITING
                         self._flight[e.id] = (e, None)
                         self._writing_bytes += e.nbytes
+                        if self._meter is not None and e.extent.path_index >= 0:
+                            self._meter.started(e.nbytes, self._clock())
                     self._queue.popleft()
             for e, src in batch:
                 submitting = e
@@ -173,6 +200,35 @@ class WriteQueue:
         except BaseException:
             self._interrupted([e for e, _ in batch], submitting)
             raise
+
+    def _late(self, e: Entry) -> bool:
+        """Lock held: whether ``e``'s write, about to start, would end after its forward's peak;
+        if so it is not started, and ``e`` stays in memory."""
+        if self._gate is None or e.extent.path_index < 0 or self._gate(e.scope, e.nbytes, self._clock()):
+            return False
+        self.cancel(e)
+        for field in ("kept_bytes", "peak_kept_bytes"):
+            self._cache.counters.add(e.scope.stats_id, field, e.nbytes)
+        return True
+
+    def _writing_cap(self) -> int:
+        """Note [write what leaves before the peak]: bytes handed to the drive at once. A slow
+        drive gets what it writes in ``WRITE_AHEAD`` seconds (one entry at least): entries
+        written side by side share it, and all of them finish late."""
+        rate = self._meter.rate if self._meter is not None else None
+        if not rate:
+            return self._max_writing
+        return min(self._max_writing, max(1 << 20, int(rate * WRITE_AHEAD)))
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes queued (or held) and not handed to the backend yet."""
+        return self.inflight_bytes - self._writing_bytes
+
+    @property
+    def pending(self) -> bool:
+        """Whether writes wait in the queue (read without the lock: a hint for pack to pump)."""
+        return bool(self._queue)
 
     @property
     def writing(self) -> int:
@@ -208,6 +264,7 @@ class WriteQueue:
         with self._lock:
             if e.id not in self._flight:
                 return
+            drive = getattr(e.extent, "path_index", 0) >= 0  # read first: the extent may go below
             # The entry's state first, the flight record last: an interrupt in between (this runs
             # inline on the main thread for a write done before its callback was added) leaves
             # the record, and heal() finishes it again, idempotently: the entry has left WRITING
@@ -226,6 +283,8 @@ class WriteQueue:
             if self._flight.pop(e.id, None) is not None:
                 self._writing_bytes -= e.nbytes
                 self.inflight_bytes -= e.nbytes
+                if self._meter is not None and drive:
+                    self._meter.finished(e.nbytes if err is None else 0, self._clock())
             self._cond.notify_all()
         self.pump()
 
@@ -240,6 +299,9 @@ class WriteQueue:
             self.inflight_bytes = sum(e.nbytes for e in self._cache.entries.values()
                                       if e.state in (State.QUEUED, State.WRITING))
             self._writing_bytes = sum(e.nbytes for e, _ in self._flight.values())
+            if self._meter is not None:
+                self._meter.recount(sum(getattr(e.extent, "path_index", 0) >= 0 for e, _ in self._flight.values()),
+                                    self._clock())
 
     # -- shutdown (lock NOT held) ------------------------------------------------------------
     def close(self) -> None:

@@ -121,7 +121,15 @@ def test_drive_limit_in_the_backend(tmp_path, capsys):
         # The drive writes at most the cap, over the step and the untimed drain after it (medians:
         # a little slack).
         assert row["written_bytes"] / (row["step_time_s"] + row["wait_s"]) <= cap * 1e9 * 1.05
-        assert f"{name}: drive could carry" in text
+        assert f"{name}: the peak fell by" in text and "drive could carry" in text
+        # The headline: the peak's fall, of what the drive could take before the peak.
+        steps = row["steps"]
+        fall = statistics.median(s["unique"] - s["peak_saved"] for s in steps)
+        assert d["peak_fall_bytes"] == fall
+        possible = min(cap * 1e9 * d["forward_ref_s"], statistics.median(s["unique"] for s in steps))
+        assert d["possible_bytes"] == pytest.approx(possible)
+        assert d["of_possible"] == pytest.approx(fall / possible)
+        assert d["possible_in_time_bytes"] <= d["possible_bytes"]
     assert text.count("  regime: drive") == 2
     assert not list((tmp_path / "nvme").rglob("*"))
 
@@ -400,7 +408,7 @@ def test_gpu_table_and_json_fields_from_a_gpu_result():
     offload_row = next(line for line in text.splitlines() if line.startswith("offload   "))
     assert "4.0 GiB" in offload_row and "x0.80" in offload_row and "64.0 MiB" in offload_row
     assert "save_on_cpu max alloc" in text and "x2.67" in text
-    assert "offload: drive could carry" in text
+    assert "offload: the peak fell by" in text and "drive could carry" in text
     assert "  achieved write 0.14, read 0.14 GB/s over the step; the drive's raw write 6.00, read 7.00" in text
     assert "torch.cuda.max_memory_allocated" in text
     spread = next(line for line in text.splitlines() if line.startswith("vs base per round"))

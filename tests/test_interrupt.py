@@ -189,7 +189,10 @@ def test_interrupts_at_random_moments_of_training_leave_nothing_behind(off_dir, 
     model = _model()
     x = torch.randn(64, 256)
     base = step(model, lambda: model(x).sum(), None)
-    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, chunk_bytes="64KiB", io_threads=1)
+    # late_writes: every save is written, as the drive allows (Note [write what leaves before the
+    # peak] would keep most of a millisecond forward's saves): the cut must find the write paths.
+    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, chunk_bytes="64KiB", io_threads=1,
+                             late_writes=True)
 
     def train():
         with off:

@@ -83,8 +83,12 @@ def test_small_saves_are_exact_and_counted_as_entries_were(tmp_path, min_bytes):
         off.close()
     fast, fast_entries = _stats_of_one_step(model, x, tmp_path / "a", small=True, min_bytes=min_bytes, wait=True)
     slow, slow_entries = _stats_of_one_step(model, x, tmp_path / "b", small=False, min_bytes=min_bytes, wait=True)
-    for field in ("saved_bytes", "unique_bytes", "kept_bytes", "written_bytes", "read_bytes", "peak_resident_bytes"):
+    for field in ("saved_bytes", "unique_bytes", "kept_bytes", "written_bytes", "read_bytes"):
         assert getattr(fast, field) == getattr(slow, field), (field, fast, slow)
+    # The peak depends on when writes finish against the safe points that drop their memory
+    # (and reads never go above it: Note [reads never raise the peak]), so it is bounded, not equal.
+    for s in (fast, slow):
+        assert s.kept_bytes <= s.peak_resident_bytes <= s.unique_bytes, s
     assert fast.resident_bytes == slow.resident_bytes == 0 and fast.live_entries == 0
     if min_bytes == 1 << 30:
         assert fast_entries == 0 < slow_entries and fast.written_bytes == 0  # no entry at all

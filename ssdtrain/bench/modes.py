@@ -57,6 +57,8 @@ class Step:
     read: int = 0
     unique: int = 0
     """Bytes of distinct storages saved in forward (the offloader's count)."""
+    left: int = 0
+    """Of those, bytes on storage and out of memory when forward ended (``peak_fall_bytes``)."""
     stall: float = 0.0
 
 
@@ -163,6 +165,7 @@ class Mode:
             step.written = after.written_bytes - before.written_bytes
             step.read = after.read_bytes - before.read_bytes
             step.unique = after.unique_bytes - before.unique_bytes
+            step.left = after.peak_fall_bytes
             step.stall = after.stall_seconds - before.stall_seconds
         return step
 

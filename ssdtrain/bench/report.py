@@ -147,7 +147,8 @@ def _drive_lines(result: dict) -> list[str]:
                       achieved]
             continue
         waited = f"; then, untimed, its writes still in flight took {d['wait_s']:.3f}s" if d.get("wait_s") else ""
-        lines += [f"{name}: drive could carry {_fmt_bytes(d['capacity_bytes'])}/step, moved "
+        lines += _peak_lines(name, d)
+        lines += [f"  drive could carry {_fmt_bytes(d['capacity_bytes'])}/step, moved (written) "
                   f"{_fmt_bytes(d['moved_bytes'])} ({d['moved_share']:.0%})",
                   f"  = min(write {d['write_gbps']:.2f} GB/s x forward {d['forward_s']:.3f}s, "
                   f"read {d['read_gbps']:.2f} GB/s x backward {d['backward_s']:.3f}s{waited})", achieved]
@@ -158,6 +159,26 @@ def _drive_lines(result: dict) -> list[str]:
         else:
             lines.append(f"  regime: drive faster than forward makes activations ({made}, the drive writes "
                          f"{d['write_gbps']:.2f})")
+    return lines
+
+
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
+def _peak_lines(name: str, d: dict) -> list[str]:
+    """The headline: the peak's fall, of what the drive could take before the peak."""
+    if d.get("peak_fall_bytes") is None:
+        return [f"{name}:"]
+    line = (f"{name}: the peak fell by {_fmt_bytes(d['peak_fall_bytes'])} ({_share(d['peak_fall_share'])} of the "
+            f"saved bytes)")
+    if d.get("possible_bytes") is None:
+        return [line + "; the drive's rate unknown, so no bound"]
+    line += f", {_share(d['of_possible'])} of the possible {_fmt_bytes(d['possible_bytes'])}"
+    lines = [line, f"  possible = min(write {d['write_gbps']:.2f} GB/s x forward {d['forward_ref_s']:.3f}s, saved)"]
+    if d.get("possible_in_time_bytes") is not None:
+        lines[-1] += (f"; of what forward saves in time to be written before it ends, {_fmt_bytes(d['possible_in_time_bytes'])}: "
+                      f"{_share(d['of_possible_in_time'])}")
     return lines
 
 

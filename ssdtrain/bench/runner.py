@@ -35,12 +35,18 @@ What :func:`run` returns per mode (``result["modes"][name]``):
   allocated at its start, and the pinned host allocator's peak (``save_on_cpu``'s copies).
 * **written / read** - bytes per step to and from the drive, their rate over the step time and
   that rate's share of the drive's; **stall** - median seconds per step compute waited on I/O.
-* **drive** (offload modes) - the achieved rates beside the drive's raw (probed) ones and the
-  limit; what the drive could carry in a step,
-  ``min(B_write * T_forward, B_read * T_backward)``, with B the probe's raw O_DIRECT rates or
-  the ``--drive-gbps`` limit; the share of it that was written; and the regime: whether the
-  drive writes slower than forward makes activations (distinct saved bytes per second of the
-  reference mode's forward: baseline's for offload, recompute's for recompute+offload).
+* **drive** (offload modes) - the headline: **the peak's fall**, what offloading took off the
+  step's peak of saved bytes (``unique - peak``, median over the timed steps), against what the
+  drive could have taken before the peak, ``min(B_write * T_forward, saved)`` with T_forward the
+  reference mode's and B the probe's raw O_DIRECT rate or the ``--drive-gbps`` limit, as "of the
+  possible"; and against the same bound where forward saves its bytes late (the reference's
+  saves over time, from the memory step: a save made at ``t`` has ``T_forward - t`` left to be
+  written), "of the possible in time". Then what the drive could carry in a step,
+  ``min(B_write * T_forward, B_read * T_backward)``, and the share of it that was written
+  ("moved": bytes written, freed before the peak or not); the achieved rates beside the drive's
+  raw ones and the limit; and the regime: whether the drive writes slower than forward makes
+  activations (distinct saved bytes per second of the reference mode's forward: baseline's for
+  offload, recompute's for recompute+offload).
 """
 
 from __future__ import annotations
@@ -339,9 +345,48 @@ def _summarize(steps: dict[str, list[Step]], memory: dict, drive: dict, limit: D
         if name in OFFLOAD_MODES:
             forward_ref = out[ref_name]["forward_s"] if ref_name in out else row["forward_s"]
             row["drive"] = _drive_figures(row, bw, br, forward_ref, ref_name if ref_name in out else name)
+            row["drive"].update(_peak_figures(steps[name], bw, forward_ref,
+                                              memory.get(ref_name if ref_name in out else name)))
             row["drive"].update(raw_write_gbps=drive.get("write_gbps"), raw_read_gbps=drive.get("read_gbps"),
                                 limit_gbps=limit.gbps if limit else None)
     return out
+
+
+def _peak_figures(ss: list[Step], bw: float | None, forward_s: float, ref_memory: dict | None) -> dict:
+    """The peak's fall (median over steps of ``unique - peak``) against what the drive could take
+    before the peak: ``possible_bytes`` = ``min(B_write x T_forward, saved)``, and
+    ``possible_in_time_bytes``, which also counts when forward saves its bytes (from the reference
+    mode's saves over time in the memory step, its forward scaled to ``T_forward``)."""
+    fall = statistics.median(s.unique - (s.peak_saved or 0) for s in ss)
+    unique = statistics.median(s.unique for s in ss)
+    fig: dict[str, Any] = {"peak_fall_bytes": fall, "peak_fall_share": fall / unique if unique else None,
+                           "left_before_peak_bytes": statistics.median(s.left for s in ss),
+                           "possible_bytes": None, "possible_in_time_bytes": None, "of_possible": None,
+                           "of_possible_in_time": None}
+    if bw:
+        rate = bw * GB
+        fig["possible_bytes"] = possible = min(rate * forward_s, unique)
+        fig["of_possible"] = fall / possible if possible else None
+        timeline = (ref_memory or {}).get("timeline")
+        if timeline and timeline.get("forward_end"):
+            in_time = min(possible, _possible_in_time(timeline["points"], timeline["forward_end"], rate, forward_s))
+            fig["possible_in_time_bytes"] = in_time
+            fig["of_possible_in_time"] = fall / in_time if in_time else None
+    return fig
+
+
+def _possible_in_time(points: list, forward_end: float, rate: float, forward_s: float) -> float:
+    """At most what a drive of ``rate`` bytes/s writes before forward ends, given when forward
+    saves (``points``: ``(seconds, saved bytes held)``, forward ending at ``forward_end``, scaled to
+    ``forward_s``): for any moment ``t``, what was saved before ``t`` plus ``rate x (T - t)``."""
+    scale = forward_s / forward_end
+    best, made = rate * forward_s, 0.0
+    for t, held in points:
+        if t > forward_end:
+            break
+        best = min(best, made + rate * max(0.0, forward_s - t * scale))
+        made = max(made, held)  # forward frees little: what it holds is what it has saved
+    return min(best, made)
 
 
 def _ratio(x: float | None, ref: float | None) -> float | None:
@@ -361,7 +406,7 @@ def _drive_figures(row: dict, bw: float | None, br: float | None, forward_ref: f
     made = row["unique_bytes"] / forward_ref / GB  # GB/s of distinct saved bytes forward makes
     fig: dict[str, Any] = {"write_gbps": bw, "read_gbps": br, "forward_s": row["forward_s"],
                            "backward_s": row["backward_s"], "wait_s": row["wait_s"], "made_gbps": made,
-                           "made_per": ref_name,
+                           "made_per": ref_name, "forward_ref_s": forward_ref,
                            "moved_bytes": row["written_bytes"], "capacity_bytes": None, "moved_share": None,
                            "drive_limited": None}
     if bw and br:

@@ -1,0 +1,182 @@
+"""What a step's forward may write: only what the drive finishes before the step's peak.
+
+Plain objects, with no threads and no I/O: the engine feeds them times and byte counts under its
+lock, and their tests drive them with made-up clocks and numbers.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+
+__all__ = ["DriveMeter", "PeakClock", "possible_bytes"]
+
+# Note [write what leaves before the peak]
+# A step's saved bytes peak where its forward ends (with checkpointing too: backward's start,
+# when every checkpoint is held, is the same moment), and a save lowers that peak only if it is
+# on the drive, and dropped from memory, by then. A write that completes later frees nothing that
+# matters: it costs drive time, wear and, in backward, a read (or it is handed back from memory
+# anyway). In the drive-limited regime (every GPU with an NVMe drive; a 2-core VM with a drive
+# capped at 100 MB/s) the drive takes a few percent of what forward saves, and entries are large
+# against it (a 32 MiB MLP activation takes a third of a second at 100 MB/s): measured on the
+# bench model at 100 MB/s, two such writes still in flight when forward ended held 64 MiB that
+# the drive had mostly moved, and the peak fell by 78% of what the drive could take before it.
+# So a step's save is written only if the drive is predicted to finish it before forward ends:
+# the drive takes the writes admitted before it one after another (``free_at``) at its measured
+# rate (``DriveMeter``), and forward's end is predicted from where this forward is: the seconds
+# a recent forward took from the same position (bytes saved so far) to its end. The curve comes
+# from the shortest of the last ``HISTORY`` forwards: a forward slowed by its own writes must not
+# buy the next one more. A save refused does not close the forward: a later, smaller one may
+# still fit the time left. Writes also go to the drive one entry's worth at a time when it is
+# slow (``WriteQueue``): in parallel, two entries share the drive and both finish late.
+# Micro-batches (``off.microbatch``: pipeline stages) are exempt: a stage's peak comes several
+# forwards later, and writes that end during them still lower it.
+ADMIT_MARGIN = 1.0
+"""A save is admitted (queued) if the drive is predicted to finish it, after the bytes already
+queued, this many times over within the time left (an admitted write may still not start)."""
+START_MARGIN = 1.05
+"""A queued write starts only if the drive, after the writes in flight, is predicted to finish
+it this many times over within the time left; else it stays in memory."""
+HISTORY = 4
+"""Forwards the prediction's curve is chosen from (the median one; the lower of two)."""
+MIN_SAMPLE_BYTES = 4 << 20
+"""The drive's rate is measured once it has written at least this much."""
+
+
+class DriveMeter:
+    """The drive's write rate: bytes written over the time it was busy writing (at least one
+    write in flight), so that a drive idle between writes is not taken for a slow one; and when
+    the drive is predicted to be done with the writes in flight (``free_at``)."""
+
+    def __init__(self) -> None:
+        self.rate: float | None = None
+        self.free_at = 0.0
+        self._inflight = 0
+        self._since = 0.0
+        self._bytes = 0
+        self._seconds = 0.0
+
+    def started(self, nbytes: int, now: float) -> None:
+        """A write of ``nbytes`` went to the drive."""
+        if self._inflight == 0:
+            self._since = now
+        self._inflight += 1
+        if self.rate:
+            self.free_at = max(self.free_at, now) + nbytes / self.rate
+
+    def finished(self, nbytes: int, now: float) -> None:
+        """A write of ``nbytes`` finished (or failed: ``nbytes`` 0)."""
+        self._inflight = max(0, self._inflight - 1)
+        self._bytes += nbytes
+        if self._inflight == 0:
+            self._seconds += max(0.0, now - self._since)
+            self.free_at = now
+
+    def recount(self, inflight: int, now: float) -> None:
+        """The writes in flight, counted again (after an interrupt cut a start or a finish short)."""
+        if inflight and not self._inflight:
+            self._since = now
+        elif self._inflight and not inflight:
+            self._seconds += max(0.0, now - self._since)
+            self.free_at = now
+        self._inflight = inflight
+
+    def sample(self, now: float) -> float | None:
+        """Takes the rate measured since the last sample (when enough was written): half the new
+        measure and half the old, so one odd forward moves it only so far."""
+        seconds = self._seconds + (now - self._since if self._inflight else 0.0)
+        if self._bytes < MIN_SAMPLE_BYTES or seconds <= 0:
+            return self.rate
+        measured = self._bytes / seconds
+        self.rate = measured if self.rate is None else 0.5 * (self.rate + measured)
+        self._bytes, self._seconds = 0, 0.0
+        if self._inflight:
+            self._since = now
+        return self.rate
+
+
+class PeakClock:
+    """Whether a write is predicted to finish before this forward ends (see the Note).
+
+    ``begin`` at a step's forward start, ``produced`` at each save (its bytes, offloaded or not),
+    ``fits`` for each save considered (at pack), ``may_start`` for each queued write about to go
+    to the drive (on any thread), ``end`` when backward begins.
+    """
+
+    def __init__(self, meter: DriveMeter) -> None:
+        self.meter = meter
+        self.active = False
+        self.enforce = True  # the rule applies (``late_writes`` off); else only measured
+        self.scope = None  # the step whose forward runs
+        self.start = 0.0
+        self.pos = 0
+        self._positions: list[int] = []
+        self._times: list[float] = []
+        self._recent: deque[tuple[float, list[int], list[float]]] = deque(maxlen=HISTORY)
+        self._ref: tuple[float, list[int], list[float]] | None = None
+        self.last_seconds: float | None = None  # the last forward's
+
+    def begin(self, scope: object, now: float) -> None:
+        """``scope``'s forward (a step's) begins."""
+        self.meter.sample(now)
+        self.active, self.scope = True, scope
+        self.start, self.pos = now, 0
+        self._positions, self._times = [], []
+
+    def produced(self, nbytes: int, now: float) -> None:
+        if self.active:
+            self.pos += nbytes
+            self._positions.append(self.pos)
+            self._times.append(now - self.start)
+
+    def remaining(self) -> float | None:
+        """Seconds from this forward's position to its end, as the reference forward took them;
+        ``None`` while none is known. Past the reference's last save: 0."""
+        ref = self._ref
+        if ref is None:
+            return None
+        duration, positions, times = ref
+        i = bisect.bisect_left(positions, self.pos)
+        if i >= len(positions):
+            return 0.0
+        lo_pos, lo_t = (positions[i - 1], times[i - 1]) if i else (0, 0.0)
+        hi_pos, hi_t = positions[i], times[i]
+        t = lo_t + (hi_t - lo_t) * (self.pos - lo_pos) / (hi_pos - lo_pos) if hi_pos > lo_pos else hi_t
+        return max(0.0, duration - t)
+
+    def _in_time(self, nbytes: int, margin: float, now: float) -> bool:
+        rate = self.meter.rate
+        if not self.active or not self.enforce or not rate:
+            return True
+        left = self.remaining()
+        return left is None or (max(0.0, self.meter.free_at - now) + nbytes / rate) * margin <= left
+
+    def fits(self, nbytes: int, queued: int, now: float) -> bool:
+        """At pack: whether a write of ``nbytes``, queued behind ``queued`` bytes not started yet
+        and the writes in flight, is predicted done before forward ends (``True`` while the rate
+        or the forward's length is unknown)."""
+        return self._in_time(queued + nbytes, ADMIT_MARGIN, now)
+
+    def may_start(self, scope: object, nbytes: int, now: float) -> bool:
+        """Whether a queued write of ``nbytes`` of ``scope`` may go to the drive now, after the
+        writes in flight: not if it is this forward's and would end after it."""
+        return scope is not self.scope or self._in_time(nbytes, START_MARGIN, now)
+
+    def end(self, now: float) -> float | None:
+        """The forward ended (backward begins); returns its length in seconds."""
+        if not self.active:
+            return None
+        self.active, self.scope = False, None
+        seconds = now - self.start
+        if self._positions and seconds > 0:
+            self._recent.append((seconds, self._positions, self._times))
+            self._ref = sorted(self._recent, key=lambda r: r[0])[(len(self._recent) - 1) // 2]
+        self.last_seconds = seconds
+        return seconds
+
+
+def possible_bytes(rate: float | None, seconds: float | None, unique: int) -> int | None:
+    """What the drive could take before the peak: ``min(rate x forward seconds, saved bytes)``."""
+    if not rate or seconds is None:
+        return None
+    return int(min(rate * seconds, unique))

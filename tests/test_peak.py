@@ -1,0 +1,168 @@
+"""Note [write what leaves before the peak]: a step's forward writes what the drive finishes
+before the forward ends, where the step's saved bytes peak, and reads never raise that peak.
+
+Deterministic: the drive is modelled (a FIFO at a set rate, tests/_clock_store.py) on a fake
+clock that the forward advances between its ops; only counters are asserted.
+"""
+
+import math
+
+import pytest
+import torch
+
+import ssdtrain
+import ssdtrain.offloader as offloader_module
+from ssdtrain.peak import DriveMeter, PeakClock, possible_bytes
+
+from _clock_store import ClockStore
+
+MIB = 1 << 20
+BPS = 5e6          # the drive: 5 MB/s each way
+DT = 0.1           # fake seconds between two saves
+SIZES = [1, 4, 1, 2, 4, 1, 1, 4, 2, 1, 4, 1, 2, 1, 4, 1, 2, 4, 1, 1]  # MiB per save, in pack order
+
+
+class _Save(torch.autograd.Function):
+    """Saves a fresh tensor of its own (the activation) and scales by ``w``."""
+
+    @staticmethod
+    def forward(ctx, act, w):
+        ctx.save_for_backward(act)
+        return act * w
+
+    @staticmethod
+    def backward(ctx, g):
+        (act,) = ctx.saved_tensors
+        return None, (g * act).sum()
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(offloader_module, "_now", lambda: now[0])
+    return now
+
+
+def _forward(w, store, clock, gen):
+    """Forward in fake time: a save every ``DT`` seconds, the drive advanced between them."""
+    total = 0
+    for n in SIZES:
+        store.advance(clock[0] + DT)
+        act = torch.randn(n * MIB // 4, generator=gen)
+        total = total + _Save.apply(act, w).sum()
+    store.advance(clock[0] + DT)
+    return total
+
+
+def _steps(off, store, clock, w, count):
+    """``count`` steps; per step: (written, fall, bound, peak, unique, peak_kept) and the grads."""
+    rows, grads = [], []
+    for i in range(count):
+        before = off.stats() if off is not None else None
+        if off is not None:
+            off.reset_peak()
+            timeline = off.record_timeline(True)  # resident bytes at every change
+        w.grad = None
+        gen = torch.Generator().manual_seed(i)
+        with off if off is not None else torch.enable_grad():
+            loss = _forward(w, store, clock, gen)
+        forward_changes = len(timeline) if off is not None else 0
+        loss.backward()
+        grads.append(w.grad.clone())
+        if off is None:
+            continue
+        store.advance(math.inf)
+        off.wait()
+        off.record_timeline(False)
+        a = off.stats()
+        unique = a.unique_bytes - before.unique_bytes
+        rows.append(dict(written=a.written_bytes - before.written_bytes, fall=a.peak_fall_bytes,
+                         bound=a.peak_bound_bytes, peak=a.peak_resident_bytes, unique=unique,
+                         peak_kept=a.peak_kept_bytes - before.peak_kept_bytes,
+                         forward_peak=max(b for _, b in timeline[:forward_changes])))
+    return rows, grads
+
+
+def test_a_step_writes_what_leaves_before_its_peak(clock, tmp_path):
+    w = torch.ones((), requires_grad=True)
+    plain = ClockStore(clock, BPS)
+    _, want = _steps(None, plain, clock, w, 6)
+    store = ClockStore(clock, BPS)
+    off = ssdtrain.Offloader(store=store, min_bytes=0)
+    rows, got = _steps(off, store, clock, w, 6)
+    assert all(torch.equal(g, h) for g, h in zip(got, want))
+    seconds = (len(SIZES) + 1) * DT
+    for r in rows[2:]:  # the rate and the forward's length are known from the second step on
+        unique = r["unique"]
+        assert unique == sum(SIZES) * MIB
+        bound = possible_bytes(BPS, seconds, unique)
+        assert r["bound"] == pytest.approx(bound, rel=0.02), r
+        # Every byte written left memory before forward ended: none finished after the peak.
+        assert r["written"] == r["fall"], r
+        # ... and that is most of what the drive could take before it (entries are whole).
+        assert r["fall"] >= 0.8 * bound, (r, bound)
+        # The step's peak is in forward (reads in backward never went above it), at its end or
+        # where a save came just before a write finished: above the end by one entry at most.
+        assert r["peak"] == r["forward_peak"], r
+        assert unique - r["fall"] <= r["peak"] <= unique - r["fall"] + max(SIZES) * MIB, r
+        assert r["peak_kept"] > 0, r
+    off.close()
+
+
+def test_late_writes_writes_them_and_the_peak_falls_no_further(clock):
+    """``late_writes=True``: the old behaviour, every eligible save queued; what ends after the
+    peak lowers nothing, so the peak falls no further than with the rule."""
+    w = torch.ones((), requires_grad=True)
+    results = {}
+    for late in (False, True):
+        store = ClockStore(clock, BPS)
+        off = ssdtrain.Offloader(store=store, min_bytes=0, late_writes=late)
+        rows, _ = _steps(off, store, clock, w, 5)
+        results[late] = rows[-1]
+        off.close()
+    rule, late = results[False], results[True]
+    assert late["written"] > rule["written"]           # more was written ...
+    assert late["written"] > late["fall"]              # ... some of it after the peak ...
+    assert late["fall"] <= rule["fall"] + 4 * MIB      # ... which it did not lower by more (one entry)
+    assert late["peak_kept"] == 0
+
+
+def test_peak_clock_predicts_from_the_median_recent_forward():
+    meter = DriveMeter()
+    clock = PeakClock(meter)
+    assert clock.fits(10 * MIB, 0, 0.0)  # nothing known yet: everything fits
+    for seconds in (2.0, 4.0, 3.0):
+        clock.begin("s", 0.0)
+        for i in range(1, 11):
+            clock.produced(MIB, seconds * i / 10)
+        clock.end(seconds)
+    meter.started(8 * MIB, 0.0)
+    meter.finished(8 * MIB, 1.0)
+    meter.sample(1.0)
+    assert meter.rate == 8 * MIB
+    clock.begin("s", 0.0)
+    clock.produced(5 * MIB, 1.0)        # half way: the median forward (3 s) has 1.5 s left
+    assert clock.remaining() == pytest.approx(1.5)
+    assert clock.fits(12 * MIB, 0, 1.0)     # 1.5 s at 8 MiB/s
+    assert not clock.fits(12 * MIB, MIB, 1.0)
+    meter.started(4 * MIB, 1.0)             # the drive is busy until 1.5 s
+    assert clock.fits(8 * MIB, 0, 1.0) and not clock.fits(9 * MIB, 0, 1.0)
+    assert clock.fits(9 * MIB, 0, 1.25)     # a quarter second later, a quarter second less to wait
+    assert clock.may_start("s", 7 * MIB, 1.0) and not clock.may_start("s", 8 * MIB, 1.0)
+    assert clock.may_start("other", 100 * MIB, 1.0)  # a micro-batch's write: not this forward's
+    clock.produced(100 * MIB, 2.0)          # past the reference's end: no time left
+    assert clock.remaining() == 0.0 and not clock.fits(1, 0, 2.0)
+    clock.enforce = False                   # late_writes: measured, never refused
+    assert clock.fits(100 * MIB, 0, 2.0)
+
+
+def test_drive_meter_counts_busy_time_only():
+    meter = DriveMeter()
+    meter.started(4 * MIB, 0.0)
+    meter.finished(4 * MIB, 1.0)
+    meter.started(2 * MIB, 5.0)  # idle 4 s in between: not the drive's time
+    meter.started(2 * MIB, 5.0)
+    meter.finished(2 * MIB, 6.0)
+    meter.finished(2 * MIB, 7.0)
+    assert meter.sample(7.0) == pytest.approx(8 * MIB / 3.0)
+    assert meter.sample(8.0) == pytest.approx(8 * MIB / 3.0)  # too little since: unchanged
