@@ -114,7 +114,7 @@ class Offloader:
         self._graveyard: deque = deque()
         self._window = ReadWindow(max(2 * config.chunk_bytes, 16 << 20), config.prefetch_bytes, _now())
         self._reader = Reader(self._backend, self._cache, self._lock, self._window, self._budget,
-                              max_layers=config.prefetch_layers)
+                              max_layers=config.prefetch_layers, clock=_clock)
         self._ids = itertools.count()
         self._scopes = Scopes(on_forget=partial(_learn, self._budget))
         self._layer_stack: list[int] = []

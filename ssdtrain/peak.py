@@ -37,6 +37,8 @@ queued, this many times over within the time left (an admitted write may still n
 START_MARGIN = 1.05
 """A queued write starts only if the drive, after the writes in flight, is predicted to finish
 it this many times over within the time left; else it stays in memory."""
+PACE_LIMIT = 1.5
+"""This forward's pace against the reference's counts for at most this factor either way."""
 HISTORY = 4
 """Forwards the prediction's curve is chosen from (the median one; the lower of two)."""
 MIN_SAMPLE_BYTES = 4 << 20
@@ -129,9 +131,12 @@ class PeakClock:
             self._positions.append(self.pos)
             self._times.append(now - self.start)
 
-    def remaining(self) -> float | None:
-        """Seconds from this forward's position to its end, as the reference forward took them;
-        ``None`` while none is known. Past the reference's last save: 0."""
+    def remaining(self, now: float) -> float | None:
+        """Seconds from ``now`` to this forward's end: from its last save on, the time the
+        reference forward took from the same position, at this forward's pace so far (once a
+        tenth of it is behind: a machine slower or faster for a while is so for the rest of the
+        forward too), less the time since that save; ``None`` while none is known. Past the
+        reference's last save: 0."""
         ref = self._ref
         if ref is None:
             return None
@@ -142,13 +147,17 @@ class PeakClock:
         lo_pos, lo_t = (positions[i - 1], times[i - 1]) if i else (0, 0.0)
         hi_pos, hi_t = positions[i], times[i]
         t = lo_t + (hi_t - lo_t) * (self.pos - lo_pos) / (hi_pos - lo_pos) if hi_pos > lo_pos else hi_t
-        return max(0.0, duration - t)
+        at = self._times[-1] if self._times else 0.0  # this forward's time at its position
+        pace = 1.0
+        if t > 0.1 * duration:
+            pace = min(PACE_LIMIT, max(1 / PACE_LIMIT, at / t))
+        return max(0.0, (duration - t) * pace - (now - self.start - at))
 
     def _in_time(self, nbytes: int, margin: float, now: float) -> bool:
         rate = self.meter.rate
         if not self.active or not self.enforce or not rate:
             return True
-        left = self.remaining()
+        left = self.remaining(now)
         return left is None or (max(0.0, self.meter.free_at - now) + nbytes / rate) * margin <= left
 
     def fits(self, nbytes: int, queued: int, now: float) -> bool:
