@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kinds", default="plain,checkpointed")
     ap.add_argument("--steps", type=int, default=5, help="timed rounds per run (default 5)")
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--loss-chunk", type=int, default=0, metavar="TOKENS",
+                    help="the loss in chunks of this many tokens (GPTConfig.loss_chunk): no whole logits saved")
     ap.add_argument("--throttle", choices=("auto", "cgroup", "backend"), default="cgroup")
     ap.add_argument("--path", help="offload directory (default: $SSDTRAIN_PATH, else the temp dir)")
     ap.add_argument("--json", metavar="PATH")
@@ -93,13 +95,14 @@ def main(argv: list[str] | None = None) -> int:
     for mbps in rates:
         for kind in ns.kinds.split(","):
             ref, mode = PAIRS[kind]
-            args = BenchArgs(model=preset("default"), batch=ns.batch, steps=ns.steps, modes=(ref, mode),
+            args = BenchArgs(model=preset("default").replace(loss_chunk=ns.loss_chunk or None), batch=ns.batch, steps=ns.steps, modes=(ref, mode),
                              path=ns.path, drive_gbps=mbps / 1000 if mbps else None, throttle=ns.throttle,
                              progress=False, keep_timeline=True)
             result = run(args)
             rate = mbps * 1e6 if mbps else result["drive"]["write_gbps"] * 1e9
             fig = figures(result, ref, mode, rate)
-            fig.update(drive_mbps=mbps, kind=kind, raw_write_gbps=result["drive"]["write_gbps"])
+            fig.update(drive_mbps=mbps, kind=kind, raw_write_gbps=result["drive"]["write_gbps"],
+                       loss_chunk=ns.loss_chunk)
             rows.append({"figures": fig, "bench": result})
             _print_row(fig)
     if ns.json:
@@ -112,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
 def _print_row(f: dict) -> None:
     drive = f"{f['drive_mbps']:g} MB/s" if f["drive_mbps"] else f"unthrottled ({f['raw_write_gbps']:.2f} GB/s)"
     in_time = "-" if f["of_possible_in_time"] is None else f"{f['of_possible_in_time']:.0%}"
-    print(f"{drive:>26} {f['kind']:>12}: step x{f['step_ratio']:.3f} (rounds {min(f['step_ratios']):.2f}-"
+    kind = f["kind"] + (f", loss in chunks of {f['loss_chunk']}" if f.get("loss_chunk") else "")
+    print(f"{drive:>26} {kind:>12}: step x{f['step_ratio']:.3f} (rounds {min(f['step_ratios']):.2f}-"
           f"{max(f['step_ratios']):.2f}), written {f['written_bytes'] / MIB:.0f} MiB/step, peak/unique "
           f"x{f['peak_share']:.3f} (worst x{f['peak_share_worst']:.3f}; best possible x{f['best_share']:.3f}), fall "
           f"{f['fall_bytes'] / MIB:.0f} MiB = {f['of_possible']:.0%} of the possible {f['possible_bytes'] / MIB:.0f} MiB, "

@@ -276,7 +276,7 @@ class Offloader:
         now = _now()
         scope.tally = self._budget.new_step(now)
         scope.unique_at_start = self._counters.total.unique_bytes
-        self._counters.forward_peak = self._counters.total.resident_bytes
+        scope.resident_at_start = self._counters.forward_peak = self._counters.total.resident_bytes
         if scope.stats_id is None:  # a step: Note [write what leaves before the peak]
             self._peak.begin(scope, now)
         else:  # a micro-batch: its stage's peak is elsewhere
@@ -604,12 +604,14 @@ class Offloader:
 
 
     def _forward_ended(self, scope: Scope, now: float) -> None:
-        """Under the lock: a step's forward ended, here its peak: what left memory before it
-        (its saves on storage only), against what the drive could have taken."""
+        """Under the lock: a step's forward ended; its saves peaked in it (Note [write what leaves
+        before the peak]): what that peak fell by (the bytes it saved, less the most it held at
+        once), against what the drive could have taken."""
         seconds = self._peak.end(now)
         t = self._counters.total
-        t.peak_fall_bytes = sum(e.nbytes for e in scope.order if e.state is State.ON_DISK)
-        t.peak_bound_bytes = possible_bytes(self._meter.rate, seconds, t.unique_bytes - scope.unique_at_start)
+        unique = t.unique_bytes - scope.unique_at_start
+        t.peak_fall_bytes = max(0, unique - (self._counters.forward_peak - scope.resident_at_start))
+        t.peak_bound_bytes = possible_bytes(self._meter.rate, seconds, unique)
         t.drive_write_bps = self._meter.rate
 
 

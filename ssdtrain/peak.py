@@ -20,17 +20,26 @@ __all__ = ["DriveMeter", "PeakClock", "possible_bytes"]
 # capped at 100 MB/s) the drive takes a few percent of what forward saves, and entries are large
 # against it (a 32 MiB MLP activation takes a third of a second at 100 MB/s): measured on the
 # bench model at 100 MB/s, two such writes still in flight when forward ended held 64 MiB that
-# the drive had mostly moved, and the peak fell by 78% of what the drive could take before it.
-# So a step's save is written only if the drive is predicted to finish it before forward ends:
-# the drive takes the writes admitted before it one after another (``free_at``) at its measured
-# rate (``DriveMeter``), and forward's end is predicted from where this forward is: the seconds
-# a recent forward took from the same position (bytes saved so far) to its end. The curve comes
-# from the shortest of the last ``HISTORY`` forwards: a forward slowed by its own writes must not
-# buy the next one more. A save refused does not close the forward: a later, smaller one may
-# still fit the time left. Writes also go to the drive one entry's worth at a time when it is
-# slow (``WriteQueue``): in parallel, two entries share the drive and both finish late.
+# the drive had mostly moved, and the peak fell by 69-78% of what the drive could take before it.
+# The peak is the most saved bytes held at once, reached at forward's last large save (saves only
+# add to what is held, writes only take away): with a chunked loss, which computes for a tenth of
+# forward and saves nothing large, a write that ends during the loss lowers no peak either.
+# So a step's save is written only if the drive is predicted to finish it before that save:
+# * the drive's rate is measured while it writes (``DriveMeter``: bytes over busy time), and so is
+#   when it will be done with the writes in flight (``free_at``);
+# * forward's time left is predicted from where this forward is (bytes saved so far): the seconds
+#   the median of the last ``HISTORY`` forwards took from the same position to its end (not the
+#   last: one slow or fast forward moves it only so far), at this forward's pace so far;
+# * at pack, a save is admitted (queued) if the drive, after the writes in flight and those queued,
+#   finishes it within the time left; when the writer is about to start a queued write of this
+#   forward it checks again with what it knows then, and a write that would end after the peak
+#   is not started (its save stays in memory). A save refused does not close the forward: a
+#   later, smaller one may still fit the time left;
+# * a slow drive is handed one entry's worth at a time (``WriteQueue``): two entries written side
+#   by side share it, and both finish late.
 # Micro-batches (``off.microbatch``: pipeline stages) are exempt: a stage's peak comes several
-# forwards later, and writes that end during them still lower it.
+# forwards later, and writes that end during them still lower it. ``late_writes=True`` turns the
+# rule off for steps too (a step whose memory peaks in backward, say).
 ADMIT_MARGIN = 1.0
 """A save is admitted (queued) if the drive is predicted to finish it, after the bytes already
 queued, this many times over within the time left (an admitted write may still not start)."""
@@ -43,6 +52,8 @@ HISTORY = 4
 """Forwards the prediction's curve is chosen from (the median one; the lower of two)."""
 MIN_SAMPLE_BYTES = 4 << 20
 """The drive's rate is measured once it has written at least this much."""
+LARGE_SAVE = 1 << 20
+"""Where the peak is: the last save of at least this many bytes (or of 1/200 of a forward's)."""
 
 
 class DriveMeter:
@@ -132,15 +143,15 @@ class PeakClock:
             self._times.append(now - self.start)
 
     def remaining(self, now: float) -> float | None:
-        """Seconds from ``now`` to this forward's end: from its last save on, the time the
-        reference forward took from the same position, at this forward's pace so far (once a
-        tenth of it is behind: a machine slower or faster for a while is so for the rest of the
-        forward too), less the time since that save; ``None`` while none is known. Past the
-        reference's last save: 0."""
+        """Seconds from ``now`` to this forward's peak (its last large save): from its last save
+        on, the time the reference forward took from the same position, at this forward's pace so
+        far (once a tenth of it is behind: a machine slower or faster for a while is so for the
+        rest of the forward too), less the time since that save; ``None`` while none is known.
+        Past the reference's peak: 0."""
         ref = self._ref
         if ref is None:
             return None
-        duration, positions, times = ref
+        until, positions, times = ref
         i = bisect.bisect_left(positions, self.pos)
         if i >= len(positions):
             return 0.0
@@ -149,9 +160,9 @@ class PeakClock:
         t = lo_t + (hi_t - lo_t) * (self.pos - lo_pos) / (hi_pos - lo_pos) if hi_pos > lo_pos else hi_t
         at = self._times[-1] if self._times else 0.0  # this forward's time at its position
         pace = 1.0
-        if t > 0.1 * duration:
+        if t > 0.1 * until:
             pace = min(PACE_LIMIT, max(1 / PACE_LIMIT, at / t))
-        return max(0.0, (duration - t) * pace - (now - self.start - at))
+        return max(0.0, (until - t) * pace - (now - self.start - at))
 
     def _in_time(self, nbytes: int, margin: float, now: float) -> bool:
         rate = self.meter.rate
@@ -172,20 +183,31 @@ class PeakClock:
         return scope is not self.scope or self._in_time(nbytes, START_MARGIN, now)
 
     def end(self, now: float) -> float | None:
-        """The forward ended (backward begins); returns its length in seconds."""
+        """The forward ended (backward begins); returns the seconds from its start to its peak
+        (its last large save; its end if it saved nothing)."""
         if not self.active:
             return None
         self.active, self.scope = False, None
         seconds = now - self.start
         if self._positions and seconds > 0:
+            seconds = _peak_time(self._positions, self._times)
             self._recent.append((seconds, self._positions, self._times))
             self._ref = sorted(self._recent, key=lambda r: r[0])[(len(self._recent) - 1) // 2]
         self.last_seconds = seconds
         return seconds
 
 
+def _peak_time(positions: list[int], times: list[float]) -> float:
+    """When a forward's last large save was made (seconds from its start)."""
+    large = max(LARGE_SAVE, positions[-1] // 200)
+    for i in range(len(positions) - 1, -1, -1):
+        if positions[i] - (positions[i - 1] if i else 0) >= large:
+            return times[i]
+    return times[-1]
+
+
 def possible_bytes(rate: float | None, seconds: float | None, unique: int) -> int | None:
-    """What the drive could take before the peak: ``min(rate x forward seconds, saved bytes)``."""
+    """What the drive could take before the peak: ``min(rate x seconds to the peak, saved bytes)``."""
     if not rate or seconds is None:
         return None
     return int(min(rate * seconds, unique))

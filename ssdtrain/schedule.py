@@ -15,7 +15,7 @@ from typing import Any
 from torch import nn
 
 from ssdtrain.cache import Entry, State
-from ssdtrain.plan import _fmt_bytes
+from ssdtrain.plan_model import _fmt_bytes
 
 __all__ = ["Scope", "Scopes", "KeepPolicy", "ReadWindow", "Tally", "WriteBudget", "find_blocks"]
 
@@ -57,6 +57,7 @@ class Scope:
         self.held: Entry | None = None  # the last save, its write not queued yet (engine's Note)
         self.tally: Tally | None = None  # its forward's, in the write budget
         self.unique_at_start = 0  # the offloader's unique bytes when its forward began
+        self.resident_at_start = 0  # ... and its resident bytes
         self.layer_now: int | None = None  # the block backward was last seen in
 
     def add(self, entry: Entry) -> None:

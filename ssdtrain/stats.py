@@ -38,11 +38,13 @@ class OffloadStats:
     """Of those, bytes kept because their write would have ended after the step's peak (the end
     of its forward), where it frees nothing that matters."""
     peak_fall_bytes: int = 0
-    """The last step's: bytes its saves had left memory for storage when its forward ended (its
-    peak): what offloading took off that peak."""
+    """The last step's: what offloading took off its peak of saved bytes (reached in forward):
+    the bytes its forward saved, less the most of them held in memory at once."""
     peak_bound_bytes: int | None = None
     """The last step's: what the drive could have taken before its peak, ``min(drive_write_bps x
-    forward seconds, unique bytes saved)``; ``None`` before the drive's rate is known."""
+    seconds from forward's start to its peak, unique bytes saved)``; ``None`` before the drive's
+    rate is known. The peak is forward's last large save (saves add to what is held, writes take
+    away): its end, unless forward computes on after it (a chunked loss)."""
     drive_write_bps: float | None = None
     """The drive's write rate as measured while it was writing (bytes per second)."""
     write_budget_bytes: int | None = None

@@ -46,7 +46,10 @@ def check_equivalent(model, loss_fn, off_dir, *, steps: int = 2, inputs=(), expe
     """Baseline vs offloaded, ``steps`` times with one Offloader (alternating ``wait``); returns stats."""
     inputs = list(inputs)
     base = step(model, loss_fn, None, inputs=inputs)
-    cfg = dict(path=str(off_dir), min_bytes=0)
+    # late_writes: every save is offered to the drive, so that the paths under test do I/O whatever
+    # this machine's forward and drive are doing right now (Note [write what leaves before the
+    # peak] would keep what the drive could not finish in time; tests/test_peak.py tests it).
+    cfg = dict(path=str(off_dir), min_bytes=0, late_writes=True)
     cfg.update(overrides)
     off = ssdtrain.Offloader(model, **cfg)
     try:

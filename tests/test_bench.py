@@ -167,7 +167,9 @@ def test_summary_takes_the_median_of_per_round_ratios_and_the_drive_figures():
     off = out["offload"]
     assert off["step_time_ratios"] == pytest.approx([1.05, 0.875, 1.1])
     assert off["step_time_ratio"] == pytest.approx(1.05)
-    assert off["peak_saved_bytes"] == 7 and off["peak_saved_ratio"] == pytest.approx(0.7)
+    # Note [one peak saved for every mode]: the memory step's, not the timed steps' (whose worst was 7).
+    assert off["peak_saved_bytes"] == 1 and off["peak_saved_ratio"] == pytest.approx(0.1)
+    assert off["peak_saved_bytes_per_step"] == [5, 7, 6]
     assert off["peak_rss_ratio"] == pytest.approx(0.2)
     d = off["drive"]
     # Write at the limit (0.5 < 2.0 raw), read at the raw drive (0.4 < 0.5).
@@ -176,6 +178,9 @@ def test_summary_takes_the_median_of_per_round_ratios_and_the_drive_figures():
     assert d["moved_share"] == pytest.approx(300e6 / 0.44e9)
     # 2 GB of activations in baseline's 1.0 s forward: faster than the drive writes.
     assert d["made_gbps"] == pytest.approx(2.0) and d["made_per"] == "baseline" and d["drive_limited"]
+    # The peak's fall: unique - peak per step, the median; of min(limit x baseline's forward, saved).
+    assert d["peak_fall_bytes"] == 2e9 - 6 and d["possible_bytes"] == pytest.approx(0.5e9)
+    assert d["of_possible"] == pytest.approx((2e9 - 6) / 0.5e9) and d["forward_ref_s"] == 1.0
 
 
 def test_choose_limit(tmp_path, monkeypatch):

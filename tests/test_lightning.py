@@ -168,7 +168,7 @@ def test_fit_params_equal_with_and_without(gpt, tmp_path, entries):
     _assert_equal(got, want)
     assert entries == [True] * STEPS
     s = cb.stats()
-    assert s.written_bytes > 0 and s.read_bytes > 0
+    assert s.written_bytes > 0 and s.read_bytes + s.forwarded_bytes >= s.written_bytes  # read, or handed back
     assert cb.offloader is None  # closed at the end of fit()
     assert "training_step" not in vars(module)  # the module is as it was
 
@@ -192,7 +192,9 @@ def test_the_users_own_block_inside_the_callbacks(gpt, tmp_path, entries):
     _assert_equal(got, want)
     assert entries == [True] * (2 * STEPS)  # the callback's, then the user's (nested)
     s = cb.stats()
-    assert s.written_bytes > 0 and s.read_bytes > 0 and s.live_entries == 0
+    # Every byte written came back, read or handed back from memory (whether a write lands before
+    # backward needs it depends on the machine's timing: the trainer does not wait).
+    assert s.written_bytes > 0 and s.read_bytes + s.forwarded_bytes >= s.written_bytes and s.live_entries == 0
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
 
 

@@ -91,7 +91,7 @@ def test_a_step_writes_what_leaves_before_its_peak(clock, tmp_path):
     off = ssdtrain.Offloader(store=store, min_bytes=0)
     rows, got = _steps(off, store, clock, w, 6)
     assert all(torch.equal(g, h) for g, h in zip(got, want))
-    seconds = (len(SIZES) + 1) * DT
+    seconds = len(SIZES) * DT  # to the last save: the peak (the forward ends a DT later)
     for r in rows[2:]:  # the rate and the forward's length are known from the second step on
         unique = r["unique"]
         assert unique == sum(SIZES) * MIB
@@ -171,3 +171,40 @@ def test_drive_meter_counts_busy_time_only():
     meter.finished(2 * MIB, 7.0)
     assert meter.sample(7.0) == pytest.approx(8 * MIB / 3.0)
     assert meter.sample(8.0) == pytest.approx(8 * MIB / 3.0)  # too little since: unchanged
+
+
+def test_a_real_model_under_the_rule_is_exact(clock):
+    """The bench's GPT (attention, norms, dropout, views) on the modelled drive, the clock moved
+    as each block begins: the rule keeps some saves and writes others, and every step's gradients
+    are those without offloading."""
+    from ssdtrain.bench.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=64, seq=64, layers=4, hidden=64, heads=4, dropout=0.1))
+    tokens = torch.randint(0, 64, (4, 64), generator=torch.Generator().manual_seed(0))
+    store = ClockStore(clock, 2e6)  # 2 MB/s: about a block's saves per block of forward
+    handles = [b.register_forward_pre_hook(lambda m, a: store.advance(clock[0] + DT)) for b in model.blocks]
+
+    def grads(off):
+        torch.manual_seed(1)  # dropout's masks
+        model.zero_grad(set_to_none=True)
+        with off if off is not None else torch.enable_grad():
+            loss = model(tokens, tokens)
+        loss.backward()
+        if off is not None:
+            store.advance(math.inf)
+            off.wait()
+        return [p.grad.clone() for p in model.parameters()]
+
+    want = grads(None)
+    off = ssdtrain.Offloader(model, store=store, min_bytes=0)
+    for i in range(5):
+        before = off.stats()
+        assert all(torch.equal(g, h) for g, h in zip(grads(off), want)), i
+    s = off.stats()
+    assert s.written_bytes > before.written_bytes and s.peak_kept_bytes > before.peak_kept_bytes  # both, at the end
+    assert s.read_bytes > 0 and s.live_entries == 0 and s.resident_bytes == 0
+    for h in handles:
+        h.remove()
+    off.close()
+

@@ -71,8 +71,9 @@ def test_everything_fits_means_no_bubble_and_no_offload_writes():
 
 
 def test_offload_frees_memory_for_fewer_stages():
-    # Long sequences: baseline activations do not fit on one stage, offloading does.
-    inp = _inp(seq=16384, gpu_mem_gib=6, drive_gbps=1000.0, global_batch=16)
+    # Long sequences: baseline activations do not fit on one stage, offloading does. The loss in
+    # chunks: the whole logits (4 x 16k x 32k bytes, 2 GiB a sequence) would fill the GPU alone.
+    inp = _inp(seq=16384, gpu_mem_gib=6, drive_gbps=1000.0, global_batch=16, loss_chunk=1024)
     result = P.plan(inp)
     base, off = result["best"]["baseline"], result["best"]["offload"]
     assert off["stages"] < base["stages"]

@@ -218,7 +218,7 @@ def test_trainer_params_equal_with_and_without(llama, tmp_path, entries):
     _assert_equal(got, want)
     assert entries == [True] * (STEPS * ACCUM)  # one offloaded forward per micro-batch
     s = cb.stats()
-    assert s.written_bytes > 0 and s.read_bytes > 0
+    assert s.written_bytes > 0 and s.read_bytes + s.forwarded_bytes >= s.written_bytes  # read, or handed back
     assert cb.offloader is None  # closed at on_train_end
     assert not list((tmp_path / "act").rglob("*.*")), "arena files left behind"
 
@@ -252,7 +252,9 @@ def test_the_users_own_block_around_the_callbacks(llama, tmp_path, entries):
     _assert_equal(got, want)
     assert entries == [True] * (2 * STEPS * ACCUM)  # the user's, then the callback's (nested)
     s = cb.stats()
-    assert s.written_bytes > 0 and s.read_bytes > 0 and s.live_entries == 0
+    # Every byte written came back, read or handed back from memory (whether a write lands before
+    # backward needs it depends on the machine's timing: the trainer does not wait).
+    assert s.written_bytes > 0 and s.read_bytes + s.forwarded_bytes >= s.written_bytes and s.live_entries == 0
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     assert not list((tmp_path / "act").rglob("*.*")), "arena files left behind"
 
@@ -288,6 +290,52 @@ def test_peft_lora(llama, tmp_path):
     trained = {n for n in want if not torch.equal(want[n], start[n])}
     assert trained and all("lora_" in n for n in trained)  # LoRA trained, the base frozen
     assert cb.stats().written_bytes > 0
+
+
+# peft 0.21 still asks transformers 5 for the deprecated name.
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_long_context_recipe(tmp_path):
+    """docs/recipes.md, long-context fine-tuning: gradient checkpointing (non-reentrant) + LoRA +
+    ``OffloadCallback(min_bytes=0)`` on a tiny Llama at a sequence 32x its width, exact against the
+    same run without the callback, every layer's input written (what checkpointing keeps)."""
+    transformers, peft = _hf(), pytest.importorskip("peft")
+    seq, layers, hidden = 2048, 4, 64
+    config = transformers.LlamaConfig(
+        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=128, max_position_embeddings=seq, use_cache=False)
+
+    def model():
+        torch.manual_seed(0)
+        m = transformers.LlamaForCausalLM(config)
+        m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        torch.manual_seed(3)
+        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+        return peft.get_peft_model(m, lora)
+
+    g = torch.Generator().manual_seed(1)
+    data = [{"input_ids": x, "labels": x, "attention_mask": torch.ones(seq, dtype=torch.long)}
+            for x in torch.randint(0, 128, (2, seq), generator=g)]
+
+    def train(callbacks, out):
+        m = model()
+        targs = transformers.TrainingArguments(
+            output_dir=str(out), max_steps=2, per_device_train_batch_size=1, learning_rate=1e-2, seed=0,
+            use_cpu=True, report_to=[], save_strategy="no", logging_strategy="no", dataloader_num_workers=0,
+            disable_tqdm=True)
+        transformers.Trainer(model=m, args=targs, train_dataset=data, callbacks=list(callbacks)).train()
+        return {n: p.detach().clone() for n, p in m.named_parameters() if p.requires_grad}
+
+    want = train([], tmp_path / "base")
+    cb = ssd_transformers.OffloadCallback(path=str(tmp_path / "act"), min_bytes=0)
+    got = train([cb], tmp_path / "off")
+    _assert_equal(got, want)
+    s = cb.stats()
+    layer_input = seq * hidden * 4  # fp32, one sequence
+    # The first step writes every layer's input it is given (nothing is known of the drive yet).
+    assert s.written_bytes >= layers * layer_input
+    # Per step: the layers' inputs and the head's saves (the logits in fp32: 4 x seq x vocab),
+    # none of a layer's internals (an MLP's alone is 2 x seq x 2h x 4 bytes = 4 layer inputs).
+    assert s.saved_bytes / 2 < (layers + 4) * layer_input + 3 * 4 * seq * 128
 
 
 def test_trainer_torch_compile(llama, tmp_path):

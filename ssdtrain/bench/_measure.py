@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["RssSampler", "SavedMeter", "block_saved_bytes"]
+__all__ = ["RecomputeMarks", "RssSampler", "SavedMeter", "block_saved_bytes"]
 
 
 class _Held:
@@ -144,6 +144,54 @@ class SavedMeter:
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+class RecomputeMarks:
+    """When each block is recomputed in backward (``+bytes``) and when its backward is done
+    (``-bytes``), as ``(perf_counter, delta)`` events: what a recomputed block holds beside the
+    saves of a mode with an offloader (Note [one peak saved for every mode])."""
+
+    def __init__(self, model: torch.nn.Module, block_bytes: int) -> None:
+        self.events: list[tuple[float, int]] = []
+        self._bytes = block_bytes
+        self._handles = [block.register_forward_pre_hook(self._pre) for block in model.blocks]
+
+    def _pre(self, module: torch.nn.Module, args: tuple) -> None:
+        # As SavedMeter's: the recomputation (in backward) adds the block; the gradient of the
+        # block's input, hooked in forward, says its backward is done.
+        if torch._C._current_graph_task_id() != -1:
+            self.events.append((time.perf_counter(), self._bytes))
+            module._ssdtrain_bench_marked = True
+            return
+        x = args[0] if args else None
+        if not (isinstance(x, torch.Tensor) and x.requires_grad):
+            return
+        module._ssdtrain_bench_marked = False
+
+        def done(grad: torch.Tensor) -> None:
+            if getattr(module, "_ssdtrain_bench_marked", False):
+                module._ssdtrain_bench_marked = False
+                self.events.append((time.perf_counter(), -self._bytes))
+
+        x.register_hook(done)
+
+    def peak(self, points: list[tuple[float, int]]) -> int:
+        """The most of ``points`` (``(perf_counter, saved bytes held)``) plus the recomputed blocks'
+        bytes at any moment."""
+        merged = sorted([(t, 0, b) for t, b in points] + [(t, 1, d) for t, d in self.events])
+        held = extra = best = 0
+        for _, kind, value in merged:
+            if kind == 0:
+                held = value
+            else:
+                extra += value
+            best = max(best, held + max(0, extra))
+        return best
 
     def close(self) -> None:
         for h in self._handles:

@@ -16,6 +16,10 @@ from ssdtrain.bench.runner import DEVICES, DTYPES, BenchArgs, run
 
 __all__ = ["args_from_cli", "main", "preset_name"]
 
+DEFAULT_BUDGET = 192 << 20
+"""``--memory-budget`` on the CPU when none is given: at the CPU model's size, recompute's longest
+sequence is then about 1k tokens, where a step takes seconds on 2 cores."""
+
 
 def _size(text: str) -> int:
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
@@ -65,6 +69,17 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     ap.add_argument("--plot", metavar="PATH", help="draw each mode's memory timeline (needs matplotlib)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    long = ap.add_argument_group(
+        "longest sequence (--max-seq)", "instead of the side-by-side run: for each mode, the longest sequence that "
+        "trains (doubling, then bisection to 1/8) and its step time there; the model is deeper and chunks its loss "
+        "(CPU: 32 blocks, hidden 128; GPU: 24 blocks, hidden 2048; the shape flags override them), batch 1")
+    long.add_argument("--max-seq", action="store_true", help="search each mode's longest sequence")
+    long.add_argument("--memory-budget", type=_size, metavar="SIZE",
+                      help=f"on the CPU, the memory a step may use: its resident growth plus the model's weights and "
+                      f"AdamW state (default {DEFAULT_BUDGET >> 20}MiB); on a GPU its memory is the limit")
+    long.add_argument("--start-seq", type=int, default=None,
+                      help="the first sequence length tried (default 256; 2048 on a GPU)")
+    long.add_argument("--max-seq-limit", type=int, default=1 << 20, help="the longest sequence tried (default 2**20)")
     return ap
 
 
@@ -105,6 +120,44 @@ def args_from_cli(ns: argparse.Namespace) -> BenchArgs:
     )
 
 
+def _max_seq(ns: argparse.Namespace) -> int:
+    from ssdtrain.bench.maxseq import MAX_SEQ_MODES, MaxSeqArgs, cpu_model, format_max_seq, gpu_model, plot_max_seq
+    from ssdtrain.bench.runner import default_dtype
+
+    dev = resolve_device(ns.device)
+    gpu = dev.type == "cuda"
+    if gpu and ns.memory_budget is not None:
+        raise ValueError("--memory-budget is for the CPU; on a GPU the limit is its memory (a real out-of-memory)")
+    if ns.memory_budget is not None and ns.memory_budget <= 0:
+        raise ValueError(f"--memory-budget must be a positive size, got {ns.memory_budget}")
+    modes = tuple(m.strip() for m in ns.modes.split(",") if m.strip()) if ns.modes != ",".join(MODES) else (
+        MAX_SEQ_MODES + (("save_on_cpu",) if gpu else ()))
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise ValueError(f"--modes: unknown {', '.join(bad) or '(empty)'}; choose from {', '.join(MODES)}")
+    model = (gpu_model() if gpu else cpu_model()).replace(layers=ns.layers, hidden=ns.hidden, heads=ns.heads,
+                                                          vocab=ns.vocab)
+    start = ns.start_seq or (2048 if gpu else 256)
+    if start < 16:
+        raise ValueError(f"--start-seq must be at least 16, got {start}")
+    progress = None if ns.no_progress else (lambda text: print("  " + text, file=sys.stderr, flush=True))
+    args = MaxSeqArgs(model=model, device=str(dev), dtype=ns.dtype or default_dtype(dev), batch=ns.batch or 1,
+                      modes=modes, budget_bytes=None if gpu else (ns.memory_budget or DEFAULT_BUDGET), start=start,
+                      limit=ns.max_seq_limit, path=ns.path, progress=progress)
+    from ssdtrain.bench.maxseq import run_max_seq
+
+    result = run_max_seq(args)
+    print(format_max_seq(result))
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+            f.write("\n")
+    if ns.plot:
+        plot_max_seq(result, ns.plot)
+        print(f"sequence vs step time: {ns.plot}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
     if ns.plot:
@@ -112,6 +165,12 @@ def main(argv: list[str] | None = None) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             print("ssdtrain bench: --plot needs matplotlib; pip install 'ssdtrain[plot]'", file=sys.stderr)
+            return 2
+    if ns.max_seq:
+        try:
+            return _max_seq(ns)
+        except (ValueError, ImportError) as exc:
+            print(f"ssdtrain bench: {exc}", file=sys.stderr)
             return 2
     try:
         args = args_from_cli(ns)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["GPT", "GPTConfig", "PRESETS", "preset"]
+__all__ = ["GPT", "GPTConfig", "PRESETS", "chunked_cross_entropy", "preset"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,12 +44,19 @@ class GPTConfig:
     flash: bool = True
     """``True``: ``F.scaled_dot_product_attention`` (no s×s tensor saved on the CPU flash kernel);
     ``False``: naive softmax attention that materialises and saves the s×s scores."""
+    loss_chunk: int = 0
+    """Tokens per chunk of the loss: each chunk's logits are computed, and recomputed in
+    backward, under ``torch.utils.checkpoint``, so no more than one chunk's logits (chunk x vocab)
+    are ever held; 0: the whole ``(tokens, vocab)`` logits at once (8 GiB at 128k tokens and a
+    32k vocabulary in bf16, more than the rest of a step's saves at long sequences)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab", "seq", "layers", "hidden", "heads"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
+            raise ValueError(f"GPTConfig.loss_chunk must be an int >= 0 (0: no chunks), got {self.loss_chunk!r}")
         if self.hidden % self.heads:
             raise ValueError(
                 f"GPTConfig.hidden ({self.hidden}) must be divisible by heads ({self.heads})"
@@ -196,7 +203,26 @@ class GPT(nn.Module):
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
-        logits = self.head(self.ln_f(x))
+        x = self.ln_f(x)
         if targets is None:
-            return logits
+            return self.head(x)
+        if self.cfg.loss_chunk and self.training and torch.is_grad_enabled():
+            return chunked_cross_entropy(x.reshape(b * s, -1), self.head.weight, targets.reshape(b * s),
+                                         self.cfg.loss_chunk)
+        logits = self.head(x)
         return F.cross_entropy(logits.reshape(b * s, -1).float(), targets.reshape(b * s))
+
+
+def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(F.linear(h, weight).float(), targets, reduction="sum")
+
+
+def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Mean cross-entropy of ``h @ weight.T`` against ``targets`` (``h``: tokens x hidden), a chunk
+    of ``chunk`` tokens at a time: each chunk's logits are made under a non-reentrant checkpoint,
+    so forward saves only ``h`` (a view per chunk) and backward recomputes one chunk's logits at a
+    time. The loss of a fused linear cross-entropy (Liger's on a GPU), in plain PyTorch."""
+    total = h.new_zeros((), dtype=torch.float32)
+    for i in range(0, h.shape[0], chunk):
+        total = total + checkpoint(_chunk_loss, h[i:i + chunk], weight, targets[i:i + chunk], use_reentrant=False)
+    return total / h.shape[0]

@@ -21,13 +21,13 @@ What :func:`run` returns per mode (``result["modes"][name]``):
   **ratio** - the median over rounds of the step time divided by baseline's in the same round
   (Note [timing on a noisy machine]); and in ``vs``, the same against each peer that ran
   (baseline, recompute, save_on_cpu), with the peak-memory ratios.
-* **peak saved** - the peak bytes of saved activations held in memory. For the offload modes
-  this is the offloader's ``peak_resident_bytes`` (max over the timed steps); recompute+offload
-  adds one block's activations, which recomputing a block holds outside the offloader (an upper
-  bound: it assumes the recomputation at the offloader's peak). For baseline and recompute it is
-  counted in an untimed step by a ``saved_tensors_hooks`` counter of unique storages
-  (parameters and buffers excluded), with, for recompute, each block's input until its backward
-  and one block's activations while it is recomputed.
+* **peak saved** - one definition for every mode (Note [one peak saved for every mode] in
+  ``modes.py``), measured in the untimed memory step: the most bytes of saved activations held
+  in memory at any moment (unique storages; parameters and buffers excluded), plus, with
+  checkpointing, one block's activations while it is recomputed. For the offload modes the
+  saved bytes held are the offloader's resident bytes over time; for the others a
+  ``saved_tensors_hooks`` counter's (for recompute: each block's input until its backward).
+  The timed steps' own peaks (the offloader's ``peak_resident_bytes``) are in ``steps``.
 * **peak RSS growth** - the child process's resident set sampled every ~2 ms during an untimed
   step (each mode's second), max minus the value at the step's start.
 * **max memory allocated** (GPU) - ``torch.cuda.max_memory_allocated`` over that step, the mode
@@ -294,12 +294,8 @@ def _summarize(steps: dict[str, list[Step]], memory: dict, drive: dict, limit: D
     base = steps.get("baseline")
     for name, ss in steps.items():
         t = statistics.median(s.seconds for s in ss)
-        if name in OFFLOAD_MODES:
-            peak_saved = max(s.peak_saved or 0 for s in ss)  # the worst step: what memory must hold
-            if name == "recompute+offload":
-                peak_saved += memory["block_bytes"]
-        else:
-            peak_saved = memory[name]["peak_saved_bytes"]
+        # Note [one peak saved for every mode] (modes.py): the memory step's, for every mode.
+        peak_saved = memory[name]["peak_saved_bytes"]
         written = round(statistics.fmean(s.written for s in ss))
         read = round(statistics.fmean(s.read for s in ss))
         ratios = _per_round(ss, base)

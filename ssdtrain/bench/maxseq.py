@@ -1,0 +1,262 @@
+"""``ssdtrain bench --max-seq``: the longest sequence each mode trains, and its step time there.
+
+For each mode the sequence length doubles from ``start`` until a step does not fit, then
+bisection narrows the limit to an eighth of the longest length that fit. Each probe is a child
+process (a fresh model at that length, a warm-up step and a measured one), so a failure leaves
+nothing behind in the parent. What "fits" means:
+
+* on a GPU, the step ran: a real out-of-memory (``torch.OutOfMemoryError``) is a failure;
+* on the CPU, where memory is virtual and plentiful, the step's measured peak is within
+  ``--memory-budget``: the child's resident-set growth over the step (sampled every 2 ms, with
+  every tensor of 1 MiB or more its own mapping: Note [memory in a child process]) plus the
+  model's weights and AdamW state, which were resident before the step began. It is labelled as
+  such in the report.
+
+The model is the bench's GPT with a chunked loss (``GPTConfig.loss_chunk``: one chunk's logits
+at a time; the whole logits would dominate at long sequences) and, by default, a realistic depth
+(with checkpointing a step holds every block's input plus one recomputed block, so the depth
+sets what offloading the inputs buys: about ``(L x input + block) / block``). At recompute's
+longest sequence, recompute and recompute+offload then run side by side, alternated, for the
+step-time ratio.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+__all__ = ["MAX_SEQ_MODES", "MaxSeqArgs", "cpu_model", "gpu_model", "search", "run_max_seq", "format_max_seq",
+           "plot_max_seq"]
+
+MAX_SEQ_MODES = ("baseline", "recompute", "offload", "recompute+offload")
+MMAP_THRESHOLD = 1 << 20
+MIB = 1 << 20
+
+
+def cpu_model():
+    """The CPU's default: 32 blocks, hidden 128 (attention's s^2 work bounds what 2 cores can
+    search in minutes: a step at 2k tokens takes seconds)."""
+    from ssdtrain.bench.models import GPTConfig
+
+    return GPTConfig(vocab=256, seq=512, layers=32, hidden=128, heads=2, loss_chunk=1024)
+
+
+def gpu_model():
+    """A GPU's default: 24 blocks of the bench's GPU width (about 1.2 B parameters)."""
+    from ssdtrain.bench.models import GPTConfig
+
+    return GPTConfig(vocab=32768, seq=2048, layers=24, hidden=2048, heads=16, loss_chunk=4096)
+
+
+@dataclasses.dataclass(kw_only=True)
+class MaxSeqArgs:
+    model: Any  # GPTConfig; its ``seq`` is replaced by each probe's
+    device: str = "cpu"
+    dtype: str = "float32"
+    batch: int = 1
+    modes: tuple[str, ...] = MAX_SEQ_MODES
+    budget_bytes: int | None = None  # the CPU's budget; None on a GPU (its memory is the limit)
+    start: int = 256
+    limit: int = 1 << 20
+    path: str | None = None
+    pairs: int = 2  # alternated recompute / recompute+offload pairs at recompute's longest sequence
+    progress: Callable[[str], None] | None = None
+
+
+def probe_in_child(spec: dict) -> dict:
+    """One probe: ``{"seq", "fits", "peak_bytes", "step_s", "oom", "error"}``."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD))
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    proc = subprocess.run([sys.executable, "-m", "ssdtrain.bench.maxseq"], input=json.dumps(spec),
+                          capture_output=True, text=True, env=env)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        # A process killed for memory (the kernel's OOM killer) is a failure to fit, said so.
+        return {"seq": spec["model"]["seq"], "fits": False, "oom": proc.returncode < 0, "peak_bytes": None,
+                "step_s": None, "error": (proc.stderr or "")[-2000:] or f"exit status {proc.returncode}"}
+    return json.loads(lines[-1])
+
+
+def _child(spec: dict) -> dict:
+    import torch
+
+    from ssdtrain.bench import _device
+    from ssdtrain.bench._measure import RssSampler
+    from ssdtrain.bench.models import GPT, GPTConfig
+    from ssdtrain.bench.modes import Mode, offloader_factory
+
+    cfg = GPTConfig(**spec["model"])
+    dev = torch.device(spec["device"])
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec["dtype"]]
+    torch.manual_seed(0)
+    out: dict[str, Any] = {"seq": cfg.seq, "fits": False, "oom": False, "peak_bytes": None, "step_s": None,
+                           "error": None}
+    sampler = RssSampler()
+    try:
+        mode = Mode(spec["mode"], GPT(cfg).to(dtype).to(dev), offloader_factory(spec.get("path"), None))
+        tokens = torch.randint(0, cfg.vocab, (spec["batch"], cfg.seq), device=dev)
+        mode.forward_backward(tokens, tokens)  # warm-up: the first step pays its first allocations
+        mode.drain()
+        model_bytes = sum(p.numel() * p.element_size() for p in mode.model.parameters()) + sum(
+            t.numel() * t.element_size() for st in mode.opt.state.values() for t in st.values()
+            if isinstance(t, torch.Tensor))
+        mode.opt.zero_grad(set_to_none=True)
+        start = _device.reset_memory_peaks(dev)
+        _device.synchronize(dev)
+        sampler.start()
+        t0 = time.perf_counter()
+        mode.forward_backward(tokens, tokens)
+        _device.synchronize(dev)
+        out["step_s"] = time.perf_counter() - t0
+        growth = sampler.stop()
+        mode.drain()
+        if dev.type == "cuda":
+            out["peak_bytes"] = _device.memory_peaks(dev)["max_memory_allocated_bytes"]
+            out["fits"] = True
+        else:
+            out["peak_bytes"] = (growth or 0) + model_bytes
+            out["model_bytes"], out["growth_bytes"] = model_bytes, growth
+            out["fits"] = spec["budget"] is None or out["peak_bytes"] <= spec["budget"]
+        out["start_bytes"] = start
+        mode.close()
+    except torch.OutOfMemoryError as exc:
+        out["oom"], out["error"] = True, str(exc).splitlines()[0]
+    finally:
+        sampler.close()
+    return out
+
+
+def search(mode: str, probe: Callable[[str, int], dict], start: int, limit: int) -> tuple[int | None, list[dict]]:
+    """The longest sequence ``probe(mode, seq)`` fits at: doubling from ``start``, then bisection
+    to an eighth of the longest that fit (in multiples of 16). Returns it (``None``: not even
+    ``start``) and every probe."""
+    probes: list[dict] = []
+    lo = hi = None
+    seq = start
+    while seq <= limit:
+        r = probe(mode, seq)
+        probes.append(r)
+        if not r["fits"]:
+            hi = seq
+            break
+        lo, seq = seq, seq * 2
+    if lo is None or hi is None:
+        return lo, probes
+    while hi - lo > max(16, lo // 8):
+        mid = (lo + hi) // 2 // 16 * 16
+        if mid <= lo:
+            break
+        r = probe(mode, mid)
+        probes.append(r)
+        lo, hi = (mid, hi) if r["fits"] else (lo, mid)
+    return lo, probes
+
+
+def run_max_seq(args: MaxSeqArgs) -> dict:
+    """Searches each mode's longest sequence; returns the ``--json`` structure (``max_seq``: a list
+    of ``{"mode", "max_seq", "step_s"}``)."""
+    say = args.progress or (lambda text: None)
+
+    def probe(mode: str, seq: int) -> dict:
+        spec = {"model": dataclasses.asdict(args.model.replace(seq=seq)), "mode": mode, "device": args.device,
+                "dtype": args.dtype, "batch": args.batch, "budget": args.budget_bytes, "path": args.path}
+        r = probe_in_child(spec)
+        r["mode"] = mode
+        peak = "-" if r.get("peak_bytes") is None else f"{r['peak_bytes'] / MIB:.0f} MiB"
+        step = "-" if r.get("step_s") is None else f"{r['step_s']:.2f}s"
+        say(f"{mode} seq {seq}: {'fits' if r['fits'] else 'does not fit'} (peak {peak}, step {step})")
+        return r
+
+    rows, probes = [], []
+    for mode in args.modes:
+        longest, tried = search(mode, probe, args.start, args.limit)
+        probes += tried
+        at = [p for p in tried if p["fits"] and p["seq"] == longest]
+        rows.append({"mode": mode, "max_seq": longest, "step_s": at[0]["step_s"] if at else None,
+                     "peak_bytes": at[0]["peak_bytes"] if at else None, "hit_limit": longest == args.limit})
+    result: dict[str, Any] = {"model": dataclasses.asdict(args.model), "device": args.device, "dtype": args.dtype,
+                              "batch": args.batch, "budget_bytes": args.budget_bytes, "max_seq": rows,
+                              "probes": probes}
+    found = {r["mode"]: r for r in rows}
+    rec, ro = found.get("recompute"), found.get("recompute+offload")
+    if rec and ro and rec["max_seq"] and ro["max_seq"]:
+        seq, ratios = rec["max_seq"], []
+        for i in range(args.pairs):  # alternated: the machine's noise hits both alike
+            times = {}
+            for mode in (("recompute", "recompute+offload") if i % 2 == 0 else ("recompute+offload", "recompute")):
+                r = probe(mode, seq)
+                times[mode] = r["step_s"] if r["fits"] else None
+            if times["recompute"] and times["recompute+offload"]:
+                ratios.append(times["recompute+offload"] / times["recompute"])
+        result["vs_recompute"] = {"seq": seq, "seq_ratio": ro["max_seq"] / seq, "step_ratios": ratios,
+                                  "step_ratio": statistics.median(ratios) if ratios else None}
+    return result
+
+
+def format_max_seq(result: dict) -> str:
+    m = result["model"]
+    on_gpu = str(result["device"]).startswith("cuda")
+    limit = ("the GPU's memory (a real out-of-memory in a child process)" if on_gpu else
+             f"a memory budget of {result['budget_bytes'] / MIB:.0f} MiB: the step's resident growth plus the model's "
+             "weights and AdamW state, measured in a child process (on the CPU, memory is not the limit: this stands "
+             "for it)")
+    lines = [f"longest sequence per mode: {m['layers']} blocks, hidden {m['hidden']}, {m['heads']} heads, vocab "
+             f"{m['vocab']}, loss in chunks of {m['loss_chunk']} tokens; batch {result['batch']}, {result['dtype']}, "
+             f"{result['device']}; limit: {limit}", ""]
+    rows = [("mode", "longest seq", "step there", "peak there")]
+    for r in result["max_seq"]:
+        rows.append((r["mode"], "-" if r["max_seq"] is None else f"{r['max_seq']}" + ("+" if r["hit_limit"] else ""),
+                     "-" if r["step_s"] is None else f"{r['step_s']:.2f}s",
+                     "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / MIB:.0f} MiB"))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    for i, row in enumerate(rows):
+        lines.append("  ".join([row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]))
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    vs = result.get("vs_recompute")
+    if vs:
+        step = "-" if vs["step_ratio"] is None else f"x{vs['step_ratio']:.2f}"
+        lines += ["", f"recompute+offload trains x{vs['seq_ratio']:.2f} the sequence of recompute within the same "
+                  f"limit; at recompute's longest ({vs['seq']}), its step is {step} of recompute's (median of "
+                  f"{len(vs['step_ratios'])} alternated pairs)"]
+    return "\n".join(lines)
+
+
+def plot_max_seq(result: dict, path: str) -> None:
+    """Sequence length against step time, per mode (the probes that fit)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for mode in dict.fromkeys(p["mode"] for p in result["probes"]):
+        pts = sorted({p["seq"]: p["step_s"] for p in result["probes"] if p["mode"] == mode and p["fits"]}.items())
+        if pts:
+            ax.plot([s for s, _ in pts], [t for _, t in pts], marker="o", label=mode)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("step time (s)")
+    ax.set_title("longest sequence per mode: where each line ends")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main() -> int:
+    spec = json.loads(sys.stdin.read())
+    sys.stdout.write(json.dumps(_child(spec)) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

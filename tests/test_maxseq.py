@@ -1,0 +1,52 @@
+"""``ssdtrain bench --max-seq`` (``ssdtrain/bench/maxseq.py``): the search, and a smoke run."""
+
+import dataclasses
+import json
+
+from ssdtrain.bench import maxseq
+from ssdtrain.bench.command import main as bench_main
+
+
+def test_search_doubles_then_bisects_to_an_eighth():
+    tried = []
+
+    def probe(mode, seq):
+        tried.append(seq)
+        return {"seq": seq, "fits": seq <= 1000, "step_s": seq / 1000}
+
+    longest, probes = maxseq.search("recompute", probe, 64, 1 << 20)
+    # Doubling: 64..512 fit, 1024 does not; bisection in multiples of 16 until within 512 / 8.
+    assert tried == [64, 128, 256, 512, 1024, 768, 896, 960]
+    assert longest == 960 and 1000 - longest <= longest // 8 and len(probes) == len(tried)
+    assert maxseq.search("recompute", probe, 2048, 1 << 20)[0] is None  # not even the start fits
+    assert maxseq.search("recompute", probe, 64, 256)[0] == 256         # the limit reached
+
+
+def test_max_seq_smoke(tmp_path, capsys):
+    """Two modes of a tiny model, each probe a child process; the table, the JSON's ``max_seq``."""
+    out = tmp_path / "max.json"
+    rc = bench_main(["--max-seq", "--device", "cpu", "--layers", "2", "--hidden", "32", "--heads", "2",
+                     "--vocab", "64", "--start-seq", "64", "--modes", "recompute,recompute+offload",
+                     "--memory-budget", "8GiB", "--path", str(tmp_path / "nvme"), "--no-progress",
+                     "--json", str(out), "--max-seq-limit", "128"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "longest sequence per mode" in text and "memory budget of 8192 MiB" in text
+    data = json.loads(out.read_text())
+    assert [(r["mode"], r["max_seq"]) for r in data["max_seq"]] == [("recompute", 128), ("recompute+offload", 128)]
+    assert all(r["step_s"] > 0 and r["hit_limit"] for r in data["max_seq"])
+    assert data["vs_recompute"]["seq"] == 128 and len(data["vs_recompute"]["step_ratios"]) == 2
+
+
+def test_max_seq_refuses_bad_input(capsys):
+    assert bench_main(["--max-seq", "--device", "cpu", "--memory-budget", "0"]) == 2
+    assert "--memory-budget must be a positive size" in capsys.readouterr().err
+    assert bench_main(["--max-seq", "--device", "cpu", "--start-seq", "8"]) == 2
+    assert "--start-seq must be at least 16" in capsys.readouterr().err
+
+
+def test_a_probe_that_does_not_fit_the_budget_says_so():
+    cfg = maxseq.cpu_model().replace(layers=2, hidden=32, heads=2, vocab=64, seq=64)
+    r = maxseq.probe_in_child({"model": dataclasses.asdict(cfg), "mode": "baseline", "device": "cpu",
+                               "dtype": "float32", "batch": 1, "budget": 1, "path": None})
+    assert r["fits"] is False and r["peak_bytes"] > 1 and r["step_s"] > 0  # measured, over a 1-byte budget
