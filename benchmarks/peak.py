@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kinds", default="plain,checkpointed")
     ap.add_argument("--steps", type=int, default=5, help="timed rounds per run (default 5)")
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--quick", action="store_true", help="the bench's tiny model: a smoke run, not a measurement")
     ap.add_argument("--loss-chunk", type=int, default=0, metavar="TOKENS",
                     help="the loss in chunks of this many tokens (GPTConfig.loss_chunk): no whole logits saved")
     ap.add_argument("--throttle", choices=("auto", "cgroup", "backend"), default="cgroup")
@@ -95,9 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     for mbps in rates:
         for kind in ns.kinds.split(","):
             ref, mode = PAIRS[kind]
-            args = BenchArgs(model=preset("default").replace(loss_chunk=ns.loss_chunk or None), batch=ns.batch, steps=ns.steps, modes=(ref, mode),
+            model = preset("quick" if ns.quick else "default").replace(loss_chunk=ns.loss_chunk or None)
+            args = BenchArgs(model=model, batch=ns.batch, steps=ns.steps, modes=(ref, mode),
                              path=ns.path, drive_gbps=mbps / 1000 if mbps else None, throttle=ns.throttle,
-                             progress=False, keep_timeline=True)
+                             progress=False, keep_timeline=True, probe_bytes=(8 << 20) if ns.quick else 256 << 20)
             result = run(args)
             rate = mbps * 1e6 if mbps else result["drive"]["write_gbps"] * 1e9
             fig = figures(result, ref, mode, rate)

@@ -22,14 +22,11 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ssdtrain import keep
+from ssdtrain.small import Small, SmallSaves
+from ssdtrain.views import SPAN_ALIGN, byte_span, byte_view, entry_span, modified, rebuild  # noqa: F401
 
 __all__ = ["State", "Entry", "Ref", "Parts", "Small", "SmallSaves", "StorageIndex", "Cache", "byte_span", "entry_span",
            "rebuild", "byte_view"]
-
-# The widest element (complex128): entry spans start on a multiple of it, so every view of the
-# storage, whatever its dtype, lands on a whole element of the rebuilt buffer.
-SPAN_ALIGN = 16
 
 
 class State(enum.Enum):
@@ -39,53 +36,6 @@ class State(enum.Enum):
     WRITTEN = "written"    # on storage, memory not yet dropped (that happens at a safe point)
     ON_DISK = "on_disk"    # on storage only; ``loaded`` may hold a read-back copy
     FREED = "freed"        # no reference left; extent returned
-
-
-def byte_span(t: torch.Tensor) -> tuple[int, int]:
-    """The bytes ``[lo, hi)`` of ``t``'s storage that ``t`` can reach."""
-    size = t.element_size()
-    lo = t.storage_offset() * size
-    reach = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    return lo, lo + (reach + 1) * size
-
-
-def entry_span(view_lo: int, view_hi: int, storage_bytes: int) -> tuple[int, int]:
-    """The bytes a new entry for a view reaching ``[view_lo, view_hi)`` covers: all of the
-    storage when the view reaches most of it, so that its other views (q, k, v of a fused QKV;
-    transposes) are found in the same entry; else the view's, from a ``SPAN_ALIGN`` boundary."""
-    if 2 * (view_hi - view_lo) >= storage_bytes:
-        return 0, storage_bytes
-    return view_lo - view_lo % SPAN_ALIGN, view_hi
-
-
-def byte_view(storage: torch.UntypedStorage, lo: int, n: int, device: torch.device) -> torch.Tensor:
-    """A 1-D uint8 tensor over ``n`` bytes of ``storage`` starting at byte ``lo`` (no copy)."""
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, lo, (n,), (1,))
-
-
-def rebuild(buf: torch.Tensor, ref: Ref) -> torch.Tensor:
-    """The tensor ``ref`` describes, as a view on ``buf`` (whose byte 0 is the entry's ``lo``).
-
-    Note [views come back as views]: every save of one entry is rebuilt on the same buffer with
-    its own dtype, size, stride and offset, so overlapping views still overlap after a reload.
-    """
-    byte_offset = buf.storage_offset() + ref.offset
-    size = ref.dtype.itemsize
-    assert byte_offset % size == 0, "a view was rebuilt off its element boundary"
-    out = torch.empty(0, dtype=ref.dtype, device=buf.device)
-    out = out.set_(buf.untyped_storage(), byte_offset // size, ref.size, ref.stride)
-    if ref.conj:  # Note [lazy bits travel with the save]
-        out = out.conj()
-    if ref.neg:
-        out = torch._neg_view(out)
-    return out
-
-
-def modified(what: str, now: int, saved: int) -> str:
-    """The error backward raises for a save changed in place since (Note [in-place after save])."""
-    return (f"one of the variables needed for gradient computation has been modified by an inplace operation: "
-            f"[{what}] is at version {now}; expected version {saved} instead. (detected by ssdtrain; the same "
-            "code fails this way without offloading)")
 
 
 class Entry:
@@ -290,104 +240,6 @@ class StorageIndex:
 
     def __len__(self) -> int:
         return sum(len(b) for b in self._by_key.values())
-
-
-# Note [a small save skips the cache]
-# A save whose whole storage is under ``min_bytes`` is never written: any entry of it would be
-# KEPT as "small". Through the entries (index, Entry, Ref, release at a safe point) it still cost
-# the training thread as much as a save that is offloaded, about 100 µs for pack and unpack on an
-# H100's host (2026-11-24), and 22-41% of a GPT's activation saves are that small (norm
-# statistics, attention's log-sum-exp, RNG seeds: 54 of 251 at the bench's GPU shape, 70 of 171
-# at its quick one). So such a save is held as a :class:`Small`: the detached alias that keeps it
-# in memory (what ``keep.alias`` returns) and the version it was saved at, so that an in-place
-# change after save raises at unpack as it does for an entry (Note [in-place after save]). Its
-# storage still counts once in the unique, kept and resident bytes: :class:`SmallSaves` counts
-# the live saves of each small storage, and a dying Small only files its storage's key (a deque
-# append, as a Ref files itself), settled under the lock at the next safe point.
-class Small:
-    """What autograd holds for a save whose storage is under ``min_bytes``."""
-
-    __slots__ = ("alias", "version", "key", "dead")
-
-    def __init__(self, alias: torch.Tensor, key: int) -> None:
-        self.dead: deque | None = None  # not counted yet: one that dies now files nothing
-        self.alias = alias
-        self.version = alias._version
-        self.key = key
-
-    def unpack(self) -> torch.Tensor:
-        now = self.alias._version
-        if now != self.version:
-            raise RuntimeError(modified(f"{self.alias.device.type} tensor of shape {tuple(self.alias.shape)}",
-                                        now, self.version))
-        return self.alias
-
-    def __del__(self) -> None:
-        dead = getattr(self, "dead", None)
-        if dead is not None:
-            try:
-                dead.append(self.key)
-            except Exception:  # pragma: no cover - interpreter shutdown
-                pass
-
-
-class SmallSaves:
-    """The small storages saved and alive: key -> [weak reference, bytes, live saves]. Mutated
-    under the offloader's lock; ``dead`` is filled by dying :class:`Small` s from any thread."""
-
-    def __init__(self, counters: Any) -> None:
-        self.rows: dict[int, list] = {}
-        self.dead: deque = deque()
-        self.live_bytes = 0
-        self.counters = counters
-
-    def add(self, t: torch.Tensor, storage: torch.UntypedStorage, stats_id: Any, why: str | None = None) -> Small:
-        """A save of ``t``, whose storage is small (or kept for ``why``, a counter its new storage
-        adds to: Note [a save the budget keeps skips the cache]); its deaths filed so far are
-        settled first (a storage freed since may have left its address, its key, to ``t``'s)."""
-        if self.dead:
-            self.settle()
-        key = storage._cdata
-        row = self.rows.get(key)
-        if row is not None and row[0].expired():  # an interrupt cut a death short; the storage is gone
-            self._drop(key, row)
-            row = None
-        counters = self.counters
-        counters.add(stats_id, "saved_bytes", t.numel() * t.element_size())
-        if row is None:
-            nbytes = storage.nbytes()
-            row = self.rows[key] = [StorageWeakRef(storage), nbytes, 0]
-            self.live_bytes += nbytes
-            counters.add(stats_id, "unique_bytes", nbytes)
-            counters.add(stats_id, "kept_bytes", nbytes)
-            if why is not None:
-                counters.add(stats_id, why, nbytes)
-            counters.resident(nbytes)
-        small = Small(keep.alias(t), key)
-        # Note [an interrupt never unbalances a count]: counted and armed with no call between.
-        row[2] += 1
-        small.dead = self.dead
-        return small
-
-    def settle(self) -> None:
-        """Counts the deaths filed: a storage whose last save died no longer counts."""
-        while self.dead:
-            key = self.dead.popleft()  # an interrupt after this loses one death: recount heals it
-            row = self.rows.get(key)
-            if row is not None:
-                row[2] -= 1
-                if row[2] <= 0:
-                    self._drop(key, row)
-
-    def heal(self) -> None:
-        """Drops the rows of storages gone (whose deaths an interrupt lost)."""
-        for key, row in [(k, r) for k, r in self.rows.items() if r[0].expired()]:
-            self._drop(key, row)
-
-    def _drop(self, key: int, row: list) -> None:
-        del self.rows[key]
-        self.live_bytes -= row[1]
-        self.counters.resident(-row[1])
 
 
 class Cache:

@@ -55,8 +55,10 @@ import json
 import sys
 from dataclasses import asdict
 
-from ssdtrain.plan_drive import add_arguments, drive_limited, format_drive, format_longest, input_fields, longest
-from ssdtrain.plan_model import (BYTES_PER_PARAM, DTYPE_BYTES, GIB, MODES, OFFLOAD_RESIDENT_LAYERS,  # noqa: F401
+from ssdtrain.plan_drive import add_arguments, drive_limited, format_drive, input_fields
+from ssdtrain.plan_longest import format_longest, longest
+# Re-exported: the model's names are also this module's (tests and callers use ``plan.Inputs``...).
+from ssdtrain.plan_model import (BYTES_PER_PARAM, DTYPE_BYTES, MODES, OFFLOAD_RESIDENT_LAYERS,  # noqa: F401
                                  RESERVE_FRACTION, Config, Inputs, _fmt_bytes, _stage_counts, _stage_memory,
                                  activation_bytes_per_layer, best_config, evaluate, head_activation_bytes,
                                  max_micro_batch)

@@ -537,3 +537,22 @@ def test_step_time_benchmark_smoke(tmp_path, capsys):
     assert fig["step_time_ratio"] > 0 and fig["stall_share"] >= 0 and 0 < fig["resident_share"] <= 1.0
     assert data["recompute_figures"]["step_time_ratio"] > 0
     assert data["bench"]["model"]["layers"] >= 8
+
+
+def test_peak_benchmark_smoke(tmp_path, capsys):
+    """benchmarks/peak.py at the tiny size, one throttled run: so that it cannot rot."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "peak.py"
+    spec = importlib.util.spec_from_file_location("peak_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "peak.json"
+    rc = module.main(["--quick", "--rates", "100", "--kinds", "checkpointed", "--no-unthrottled", "--steps", "1",
+                      "--batch", "2", "--throttle", "backend", "--path", str(tmp_path / "nvme"), "--json", str(out)])
+    assert rc == 0
+    assert "100 MB/s checkpointed: step x" in capsys.readouterr().out
+    fig = json.loads(out.read_text())["rows"][0]["figures"]
+    assert fig["possible_bytes"] == pytest.approx(min(100e6 * fig["reference_forward_s"], fig["unique_bytes"]))
+    assert fig["fall_bytes"] <= fig["unique_bytes"] and 0 < fig["peak_share"] <= 1

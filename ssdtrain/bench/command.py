@@ -16,9 +16,10 @@ from ssdtrain.bench.runner import DEVICES, DTYPES, BenchArgs, run
 
 __all__ = ["args_from_cli", "main", "preset_name"]
 
-DEFAULT_BUDGET = 192 << 20
-"""``--memory-budget`` on the CPU when none is given: at the CPU model's size, recompute's longest
-sequence is then about 1k tokens, where a step takes seconds on 2 cores."""
+DEFAULT_BUDGET = 40 << 20
+"""``--memory-budget`` on the CPU when none is given: at the CPU model's size (19 MiB of weights and
+AdamW state), recompute's longest sequence is then under 2k tokens, where a step takes seconds on
+2 cores (attention's work grows with the square of the sequence)."""
 
 
 def _size(text: str) -> int:
@@ -72,13 +73,13 @@ def _parser() -> argparse.ArgumentParser:
     long = ap.add_argument_group(
         "longest sequence (--max-seq)", "instead of the side-by-side run: for each mode, the longest sequence that "
         "trains (doubling, then bisection to 1/8) and its step time there; the model is deeper and chunks its loss "
-        "(CPU: 32 blocks, hidden 128; GPU: 24 blocks, hidden 2048; the shape flags override them), batch 1")
+        "(CPU: 32 blocks, hidden 64; GPU: 24 blocks, hidden 2048; the shape flags override them), batch 1")
     long.add_argument("--max-seq", action="store_true", help="search each mode's longest sequence")
     long.add_argument("--memory-budget", type=_size, metavar="SIZE",
                       help=f"on the CPU, the memory a step may use: its resident growth plus the model's weights and "
                       f"AdamW state (default {DEFAULT_BUDGET >> 20}MiB); on a GPU its memory is the limit")
     long.add_argument("--start-seq", type=int, default=None,
-                      help="the first sequence length tried (default 256; 2048 on a GPU)")
+                      help="the first sequence length tried (default 64; 2048 on a GPU)")
     long.add_argument("--max-seq-limit", type=int, default=1 << 20, help="the longest sequence tried (default 2**20)")
     return ap
 
@@ -137,7 +138,7 @@ def _max_seq(ns: argparse.Namespace) -> int:
         raise ValueError(f"--modes: unknown {', '.join(bad) or '(empty)'}; choose from {', '.join(MODES)}")
     model = (gpu_model() if gpu else cpu_model()).replace(layers=ns.layers, hidden=ns.hidden, heads=ns.heads,
                                                           vocab=ns.vocab)
-    start = ns.start_seq or (2048 if gpu else 256)
+    start = ns.start_seq or (2048 if gpu else 64)
     if start < 16:
         raise ValueError(f"--start-seq must be at least 16, got {start}")
     progress = None if ns.no_progress else (lambda text: print("  " + text, file=sys.stderr, flush=True))
