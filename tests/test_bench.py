@@ -515,15 +515,21 @@ def test_cli_points_at_the_package():
     assert ssdtrain.bench is bench
 
 
-def test_step_time_benchmark_smoke(tmp_path, capsys):
-    """benchmarks/step_time.py at tiny size, throttled, with recompute: so that it cannot rot."""
+def _benchmark(name: str):
+    """The module of ``benchmarks/<name>.py``."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "step_time.py"
-    spec = importlib.util.spec_from_file_location("step_time_benchmark", path)
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_benchmark", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_step_time_benchmark_smoke(tmp_path, capsys):
+    """benchmarks/step_time.py at tiny size, throttled, with recompute: so that it cannot rot."""
+    module = _benchmark("step_time")
     out = tmp_path / "step.json"
     rc = module.main(["--tiny", "--data", "torch", "--path", str(tmp_path / "nvme"), "--work-dir",
                       str(tmp_path / "work"), "--json", str(out), "--recompute", "--drive-gbps", "0.2",
@@ -541,13 +547,7 @@ def test_step_time_benchmark_smoke(tmp_path, capsys):
 
 def test_peak_benchmark_smoke(tmp_path, capsys):
     """benchmarks/peak.py at the tiny size, one throttled run: so that it cannot rot."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "peak.py"
-    spec = importlib.util.spec_from_file_location("peak_benchmark", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _benchmark("peak")
     out = tmp_path / "peak.json"
     rc = module.main(["--quick", "--rates", "100", "--kinds", "checkpointed", "--no-unthrottled", "--steps", "1",
                       "--batch", "2", "--throttle", "backend", "--path", str(tmp_path / "nvme"), "--json", str(out)])

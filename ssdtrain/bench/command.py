@@ -149,14 +149,19 @@ def _max_seq(ns: argparse.Namespace) -> int:
 
     result = run_max_seq(args)
     print(format_max_seq(result))
+    _outputs(ns, result, lambda: plot_max_seq(result, ns.plot), "sequence vs step time")
+    return 0
+
+
+def _outputs(ns: argparse.Namespace, data: dict, draw, what: str) -> None:
+    """``--json`` and ``--plot`` of a run: ``data`` as JSON, ``draw()`` the plot."""
     if ns.json:
         with open(ns.json, "w") as f:
-            json.dump(result, f, indent=2, default=str)
+            json.dump(data, f, indent=2, default=str)
             f.write("\n")
     if ns.plot:
-        plot_max_seq(result, ns.plot)
-        print(f"sequence vs step time: {ns.plot}")
-    return 0
+        draw()
+        print(f"{what}: {ns.plot}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,12 +190,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ssdtrain bench: {exc}", file=sys.stderr)
         return 2
     print(format_table(result))
-    if ns.json:
-        data = {k: v for k, v in result.items() if k != "timeline"}
-        with open(ns.json, "w") as f:
-            json.dump(data, f, indent=2, default=str)
-            f.write("\n")
-    if ns.plot:
-        plot(result, ns.plot)
-        print(f"memory timeline: {ns.plot}")
+    _outputs(ns, {k: v for k, v in result.items() if k != "timeline"}, lambda: plot(result, ns.plot),
+             "memory timeline")
     return 0
