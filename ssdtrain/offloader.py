@@ -602,7 +602,6 @@ class Offloader:
         self._reads_pending = True
         self._reader.prefetch(scope, None)
 
-
     def _forward_ended(self, scope: Scope, now: float) -> None:
         """Under the lock: a step's forward ended; its saves peaked in it (Note [write what leaves
         before the peak]): what that peak fell by (the bytes it saved, less the most it held at
