@@ -77,7 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     long.add_argument("--max-seq", action="store_true", help="search each mode's longest sequence")
     long.add_argument("--memory-budget", type=_size, metavar="SIZE",
                       help=f"on the CPU, the memory a step may use: its resident growth plus the model's weights and "
-                      f"AdamW state (default {DEFAULT_BUDGET >> 20}MiB); on a GPU its memory is the limit")
+                      f"AdamW state (default {DEFAULT_BUDGET >> 20}MiB); on a GPU, a cap on its caching allocator "
+                      "(a real out-of-memory at SIZE, for a search that ends in minutes; default: all its memory)")
     long.add_argument("--start-seq", type=int, default=None,
                       help="the first sequence length tried (default 64; 2048 on a GPU)")
     long.add_argument("--max-seq-limit", type=int, default=1 << 20, help="the longest sequence tried (default 2**20)")
@@ -127,8 +128,6 @@ def _max_seq(ns: argparse.Namespace) -> int:
 
     dev = resolve_device(ns.device)
     gpu = dev.type == "cuda"
-    if gpu and ns.memory_budget is not None:
-        raise ValueError("--memory-budget is for the CPU; on a GPU the limit is its memory (a real out-of-memory)")
     if ns.memory_budget is not None and ns.memory_budget <= 0:
         raise ValueError(f"--memory-budget must be a positive size, got {ns.memory_budget}")
     modes = tuple(m.strip() for m in ns.modes.split(",") if m.strip()) if ns.modes != ",".join(MODES) else (
@@ -143,7 +142,7 @@ def _max_seq(ns: argparse.Namespace) -> int:
         raise ValueError(f"--start-seq must be at least 16, got {start}")
     progress = None if ns.no_progress else (lambda text: print("  " + text, file=sys.stderr, flush=True))
     args = MaxSeqArgs(model=model, device=str(dev), dtype=ns.dtype or default_dtype(dev), batch=ns.batch or 1,
-                      modes=modes, budget_bytes=None if gpu else (ns.memory_budget or DEFAULT_BUDGET), start=start,
+                      modes=modes, budget_bytes=ns.memory_budget if gpu else (ns.memory_budget or DEFAULT_BUDGET), start=start,
                       limit=ns.max_seq_limit, path=ns.path, progress=progress)
     from ssdtrain.bench.maxseq import run_max_seq
 

@@ -5,7 +5,10 @@ bisection narrows the limit to an eighth of the longest length that fit. Each pr
 process (a fresh model at that length, a warm-up step and a measured one), so a failure leaves
 nothing behind in the parent. What "fits" means:
 
-* on a GPU, the step ran: a real out-of-memory (``torch.OutOfMemoryError``) is a failure;
+* on a GPU, the step ran: a real out-of-memory (``torch.OutOfMemoryError``) is a failure; with
+  ``--memory-budget`` the child caps its caching allocator at that size first
+  (``torch.cuda.set_per_process_memory_fraction``), so the out-of-memory comes at the budget: the
+  search at a whole GPU's memory runs to sequences whose steps take minutes (attention's s^2);
 * on the CPU, where memory is virtual and plentiful, the step's measured peak is within
   ``--memory-budget``: the child's resident-set growth over the step (sampled every 2 ms, with
   every allocation of 64 KiB or more its own mapping, returned when freed: Note [memory in a
@@ -63,7 +66,7 @@ class MaxSeqArgs:
     dtype: str = "float32"
     batch: int = 1
     modes: tuple[str, ...] = MAX_SEQ_MODES
-    budget_bytes: int | None = None  # the CPU's budget; None on a GPU (its memory is the limit)
+    budget_bytes: int | None = None  # the CPU's budget; on a GPU a cap on the allocator (None: all its memory)
     start: int = 256
     limit: int = 1 << 20
     path: str | None = None
@@ -102,6 +105,12 @@ def _child(spec: dict) -> dict:
                            "error": None}
     sampler = RssSampler()
     try:
+        if dev.type == "cuda" and spec["budget"] is not None:
+            total = torch.cuda.get_device_properties(dev).total_memory
+            if spec["budget"] > total:
+                raise ValueError(f"--memory-budget {spec['budget'] / MIB:.0f} MiB is more than the GPU's "
+                                 f"{total / MIB:.0f} MiB: give a smaller one, or none for all of it")
+            torch.cuda.set_per_process_memory_fraction(spec["budget"] / total, dev)
         mode = Mode(spec["mode"], GPT(cfg).to(dtype).to(dev), offloader_factory(spec.get("path"), None))
         tokens = torch.randint(0, cfg.vocab, (spec["batch"], cfg.seq), device=dev)
         mode.forward_backward(tokens, tokens)  # warm-up: the first step pays its first allocations
@@ -205,7 +214,8 @@ def run_max_seq(args: MaxSeqArgs) -> dict:
 def format_max_seq(result: dict) -> str:
     m = result["model"]
     on_gpu = str(result["device"]).startswith("cuda")
-    limit = ("the GPU's memory (a real out-of-memory in a child process)" if on_gpu else
+    cap = f" capped at {result['budget_bytes'] / MIB:.0f} MiB" if result["budget_bytes"] else ""
+    limit = (f"the GPU's memory{cap} (a real out-of-memory in a child process)" if on_gpu else
              f"a memory budget of {result['budget_bytes'] / MIB:.0f} MiB: the step's resident growth plus the model's "
              "weights and AdamW state, measured in a child process (on the CPU, memory is not the limit: this stands "
              "for it)")
