@@ -356,6 +356,9 @@ class Offloader:
                 if entry is None:  # Note [a save the budget keeps skips the cache]
                     why = self._kept_at_once(t, hi - lo)
                     if why is not None:
+                        if (self._tier is not None and t.device.type in self._tier_devices
+                                and storage._cdata not in self._cache.small.rows):
+                            self._tier.clock.produced(hi - lo)  # Note [the copy clock counts every save]
                         small = self._cache.small.add(t, storage, scope.stats_id, why)
                         self._writer.passed(scope, hi - lo)
                 if small is None:
@@ -469,6 +472,12 @@ class Offloader:
     # the training thread's cost; on a GPU most of a forward's saves are such (the drive took 1%
     # of them on an H100, 2026-11-24; the copy engine about 15%), and the host has about 15 us per
     # save of slack there. A storage that already has an entry keeps using it.
+    # Note [the copy clock counts every save]
+    # The copy clock's positions are the bytes a forward produced, and the forward measured for
+    # its reference copies nothing: its budget closes at the first save, and every later save is
+    # kept at once, with no entry. Those saves are counted too; counting entries alone gave that
+    # forward a total of one save, and every copy after was refused as due after forward's end
+    # (the H200, 2026-11-27: the tier copied nothing, offload lowered no peak).
     def _kept_at_once(self, t: torch.Tensor, nbytes: int) -> str | None:
         """Under the lock: whether a new save of ``t`` (``nbytes``) will be kept whatever its entry
         would say, and why (the counter its bytes add to): its forward closed its budget, or its

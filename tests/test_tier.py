@@ -247,3 +247,36 @@ def test_a_closed_copy_budget_keeps_the_rest_of_forward_without_entries(off_dir,
     assert after.budget_kept_bytes - before.budget_kept_bytes > 0
     assert during.live_entries < open_.live_entries / 2
     assert after.live_entries == 0
+
+
+def test_the_copy_clock_counts_saves_kept_at_once(off_dir, tier_on_cpu):
+    """Note [the copy clock counts every save]: the forward measured with no copy (limit 0, closed
+    at its first save) counts every save, so the clock learns forward's whole length and the next
+    forward copies. Counting entries alone, that forward counted one save and the tier then
+    refused every copy (on the H200, 2026-11-27)."""
+    model, loss_fn = _gpt()
+    base = step(model, loss_fn, None)
+    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, host_bytes="64MiB")
+    clock = off._tier.clock
+
+    def forward():
+        before = off.stats()
+        with off:
+            loss = loss_fn()
+        loss.backward()
+        off.wait()
+        return off.stats().host_copied_bytes - before.host_copied_bytes
+    try:
+        assert forward() > 0  # nothing learned: every save copied, each with an entry
+        produced = clock.pos
+        clock.rate = 1e9  # the copy rate is known: the next forward is measured, copying nothing
+        assert forward() == 0 and clock.limit == 0 and clock.closed
+        # (views of one storage saved with different extents count once kept at once)
+        assert clock.pos == pytest.approx(produced, rel=0.01)
+        clock.learn(0.01, clock.pos)  # its device time (on a GPU, from timing events)
+        assert clock.total == clock.pos and clock.ratio == pytest.approx(clock.pos / 0.01 / 1e9)
+        clock.ratio = 0.1  # production at a tenth of the copy rate: the first saves are due in time
+        assert forward() > 0
+        assert_same(base, step(model, loss_fn, off))
+    finally:
+        off.close()
