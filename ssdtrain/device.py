@@ -425,6 +425,19 @@ def order_current(fence: Fence, stream: torch.cuda.Stream | None = None) -> None
     fence.order(stream if stream is not None else current_stream(fence.device))
 
 
+def room_above_peak(dev: torch.device) -> int:
+    """Bytes this process could still allocate on ``dev`` above its allocator's peak (since the
+    peak's last reset): the device's free memory plus what the caching allocator holds unused,
+    within the per-process fraction if one is set (``set_per_process_memory_fraction``)."""
+    with _on(dev):
+        free, total = torch.cuda.mem_get_info(dev)
+        limit = free + torch.cuda.memory_reserved(dev)
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        if fraction is not None:
+            limit = min(limit, int(total * fraction(dev)))
+        return limit - torch.cuda.max_memory_allocated(dev)
+
+
 class GpuTimer:
     """Device time between two points of the training thread's current stream (a forward's
     start and end), read later without waiting: timing events, never synchronised."""

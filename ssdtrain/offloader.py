@@ -517,7 +517,16 @@ class Offloader:
         timer, self._fwd_timer = self._fwd_timer, None
         if timer is not None:
             clock.learn(timer.seconds(), clock.pos)
-        clock.begin()
+        room = True
+        if clock.wants_reference() and self._fwd_dev is not None:  # Note [the reference forward needs room]
+            room = device.room_above_peak(self._fwd_dev) >= REFERENCE_ROOM * clock.sent
+            if not room and not clock.deferred:
+                warnings.warn(
+                    f"ssdtrain: the host tier took {clock.sent / 2**30:.2f} GiB off the last step's peak, and "
+                    f"{self._fwd_dev} has no room to measure a forward without it; the tier copies every save it "
+                    "can until it has (a slower step than a learned copy budget, not out of memory)",
+                    RuntimeWarning, stacklevel=4)
+        clock.begin(room)
         if self._fwd_dev is not None:
             self._fwd_timer = device.GpuTimer(self._fwd_dev)
 
@@ -621,6 +630,12 @@ class Offloader:
         t.peak_fall_bytes = max(0, unique - (self._counters.forward_peak - scope.resident_at_start))
         t.peak_bound_bytes = possible_bytes(self._meter.rate, seconds, unique)
         t.drive_write_bps = self._meter.rate
+
+
+REFERENCE_ROOM = 1.25
+"""The room above the last peak, in multiples of what the tier took off it, that a forward
+measured with no copy needs (Note [the reference forward needs room]): the margin is for a
+fragmented allocator."""
 
 
 def _clock() -> float:

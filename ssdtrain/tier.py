@@ -210,6 +210,14 @@ class HostPool:
 # the copy rate once per device, forward's time and production rate on a forward that copies
 # nothing (the first once the copy rate is known: its saves stay on the device), since a forward's
 # own copies lengthen it (``CopyClock.learn``).
+#
+# Note [the reference forward needs room]: that forward keeps on the device what the tier would
+# have taken, so its peak is the step's peak without the tier. Where the last step's peak plus
+# those bytes does not fit in the device's memory (a user at the longest sequence that trains only
+# with offloading), it would run out of memory: there the measurement waits, and forwards copy as
+# before the rate was known (every save, due once seen done), a step slower but alive. Seen on an
+# H200 (2026-11-27): at recompute+offload's longest sequence under a 6 GiB cap, the step measured
+# kept every block input on the device.
 class CopyClock:
     """Positions in a forward, in bytes produced (see the Note); what a forward may copy."""
 
@@ -223,13 +231,24 @@ class CopyClock:
         self.closed = False  # this forward was refused a copy: the rest of it is kept
         self.reference: float | None = None  # device seconds of a forward that copied nothing
         self.total = 0  # bytes that forward produced: where the peak is, in forward positions
+        self.deferred = 0  # forwards not measured for want of room (Note [the reference forward needs room])
 
-    def begin(self) -> None:
+    def wants_reference(self) -> bool:
+        """Whether the next forward is to be measured, copying nothing."""
+        return self.reference is None and self.rate is not None
+
+    def begin(self, room: bool = True) -> None:
         """A forward begins; with the copy rate known and no reference yet, it copies nothing
-        (it is measured for the reference)."""
+        (it is measured for the reference), unless the device has no ``room`` for what the last
+        forward copied: then it copies as before the rate was known."""
+        last = self.sent
         self.pos, self.tail, self.sent, self.closed = 0, 0.0, 0, False
-        if self.reference is None and self.rate is not None:
-            self.limit = 0
+        if self.wants_reference():
+            if room or not last:
+                self.limit = 0
+            else:
+                self.limit = None
+                self.deferred += 1
 
     def produced(self, nbytes: int) -> None:
         """A save of ``nbytes`` (offloaded or not) was made."""

@@ -280,3 +280,46 @@ def test_the_copy_clock_counts_saves_kept_at_once(off_dir, tier_on_cpu):
         assert_same(base, step(model, loss_fn, off))
     finally:
         off.close()
+
+
+def test_the_reference_forward_waits_for_room(off_dir, tier_on_cpu, monkeypatch):
+    """Note [the reference forward needs room]: the forward measured with no copy keeps on the
+    device what the tier took off the last peak; where the device has no room for that, the forward
+    copies as before the rate was known (and says so once), and is measured once there is room."""
+    class Timer:  # no device to time on here: nothing learned from it
+        def __init__(self, dev):
+            pass
+
+        def stop(self, dev):
+            pass
+
+        def seconds(self):
+            return None
+    room = {"bytes": 0}
+    monkeypatch.setattr(offloader_mod.device, "GpuTimer", Timer)
+    monkeypatch.setattr(offloader_mod.device, "room_above_peak", lambda dev: room["bytes"])
+    model, loss_fn = _gpt()
+    base = step(model, loss_fn, None)
+    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, host_bytes="64MiB")
+    clock = off._tier.clock
+
+    def forward():
+        before = off.stats()
+        with off:
+            loss = loss_fn()
+        loss.backward()
+        off.wait()
+        return off.stats().host_copied_bytes - before.host_copied_bytes
+    try:
+        first = forward()  # the copy rate not known yet: every save copied
+        assert first > 0
+        off._fwd_dev = torch.device("cpu")  # as a CUDA save sets it
+        clock.rate = 1e9
+        with pytest.warns(RuntimeWarning, match="no room to measure a forward without it"):
+            again = forward()
+        assert again == first and clock.limit is None and clock.deferred == 1
+        room["bytes"] = int(offloader_mod.REFERENCE_ROOM * clock.sent)  # room now: measured, no copy
+        assert forward() == 0 and clock.limit == 0 and clock.deferred == 1
+        assert_same(base, step(model, loss_fn, off))
+    finally:
+        off.close()
