@@ -214,8 +214,10 @@ class HostPool:
 # Note [the reference forward needs room]: that forward keeps on the device what the tier would
 # have taken, so its peak is the step's peak without the tier. Where the last step's peak plus
 # those bytes does not fit in the device's memory (a user at the longest sequence that trains only
-# with offloading), it would run out of memory: there the measurement waits, and forwards copy as
-# before the rate was known (every save, due once seen done), a step slower but alive. Seen on an
+# with offloading), it would run out of memory: there the measurement waits, and forwards copy
+# every save due before forward's end, by due positions from the last forward (longer for its
+# copies: a ratio too low, due too early, so the compute stream may wait for a copy: slower, but
+# alive). Seen on an
 # H200 (2026-11-27): at recompute+offload's longest sequence under a 6 GiB cap, the step measured
 # kept every block input on the device.
 class CopyClock:
@@ -288,8 +290,13 @@ class CopyClock:
         if not seconds or seconds <= 0 or not self.rate or produced <= 0:
             return
         if self.reference is None:
-            if self.limit != 0:
-                return  # it copied: not a measure of forward alone
+            if self.limit != 0:  # it copied: not a measure of forward alone
+                if self.deferred and self.limit is None:
+                    # Note [the reference forward needs room]: due positions from it meanwhile, so
+                    # that copies are released in stream order (released once seen done, they free
+                    # nothing before the peak when the host runs ahead of the device).
+                    self.ratio, self.total = produced / seconds / self.rate, produced
+                return
             self.reference = seconds
             self.total = produced
         if seconds <= self.reference:

@@ -285,8 +285,9 @@ def test_the_copy_clock_counts_saves_kept_at_once(off_dir, tier_on_cpu):
 def test_the_reference_forward_waits_for_room(off_dir, tier_on_cpu, monkeypatch):
     """Note [the reference forward needs room]: the forward measured with no copy keeps on the
     device what the tier took off the last peak; where the device has no room for that, the forward
-    copies as before the rate was known (and says so once), and is measured once there is room."""
-    class Timer:  # no device to time on here: nothing learned from it
+    copies as before (and says so once), meanwhile with due positions from the forward before, and
+    is measured once there is room."""
+    class Timer:  # a forward of 10 ms on the device
         def __init__(self, dev):
             pass
 
@@ -294,7 +295,7 @@ def test_the_reference_forward_waits_for_room(off_dir, tier_on_cpu, monkeypatch)
             pass
 
         def seconds(self):
-            return None
+            return 0.01
     room = {"bytes": 0}
     monkeypatch.setattr(offloader_mod.device, "GpuTimer", Timer)
     monkeypatch.setattr(offloader_mod.device, "room_above_peak", lambda dev: room["bytes"])
@@ -313,13 +314,19 @@ def test_the_reference_forward_waits_for_room(off_dir, tier_on_cpu, monkeypatch)
     try:
         first = forward()  # the copy rate not known yet: every save copied
         assert first > 0
-        off._fwd_dev = torch.device("cpu")  # as a CUDA save sets it
+        off._fwd_dev = torch.device("cpu")  # as a CUDA save sets it: timed from the next forward on
         clock.rate = 1e9
         with pytest.warns(RuntimeWarning, match="no room to measure a forward without it"):
             again = forward()
-        assert again == first and clock.limit is None and clock.deferred == 1
+        assert again == first and clock.limit is None and clock.deferred == 1 and clock.ratio is None
+        # Still no room: copied, due by the last forward (the saves whose copy would end after it refused)
+        assert 0.9 * first <= forward() < first and clock.deferred == 2
+        produced = clock.pos
+        assert clock.ratio == pytest.approx(produced / 0.01 / 1e9) and clock.total == produced
+        assert clock.reference is None
         room["bytes"] = int(offloader_mod.REFERENCE_ROOM * clock.sent)  # room now: measured, no copy
-        assert forward() == 0 and clock.limit == 0 and clock.deferred == 1
+        assert forward() == 0 and clock.limit == 0 and clock.deferred == 2
+        assert forward() > 0 and clock.reference == 0.01  # learned
         assert_same(base, step(model, loss_fn, off))
     finally:
         off.close()

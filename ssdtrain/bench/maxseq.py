@@ -41,6 +41,12 @@ __all__ = ["MAX_SEQ_MODES", "MaxSeqArgs", "cpu_model", "gpu_model", "search", "r
 
 MAX_SEQ_MODES = ("baseline", "recompute", "offload", "recompute+offload")
 MMAP_THRESHOLD = 64 << 10
+# Note [a probe's allocator does not fragment]: on a GPU a probe's child runs with expandable
+# segments (unless PYTORCH_CUDA_ALLOC_CONF says otherwise), so that its out-of-memory comes at the
+# memory the mode needs, not at the caching allocator's fragmentation: on an H200 (2026-11-27,
+# a 6 GiB cap) recompute's limit was 32768 tokens with 0.5-1 GiB reserved but unallocated at each
+# failure, and 40960 with expandable segments. Only the child's allocator: nothing in the caller.
+ALLOC_CONF = "expandable_segments:True"
 MIB = 1 << 20
 
 
@@ -77,6 +83,8 @@ class MaxSeqArgs:
 def probe_in_child(spec: dict) -> dict:
     """One probe: ``{"seq", "fits", "peak_bytes", "step_s", "oom", "error"}``."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD))
+    if spec["device"].startswith("cuda"):
+        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOC_CONF)  # Note [a probe's allocator does not fragment]
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     proc = subprocess.run([sys.executable, "-m", "ssdtrain.bench.maxseq"], input=json.dumps(spec),
@@ -238,6 +246,7 @@ def format_max_seq(result: dict) -> str:
     m = result["model"]
     on_gpu = str(result["device"]).startswith("cuda")
     cap = f" capped at {result['budget_bytes'] / MIB:.0f} MiB" if result["budget_bytes"] else ""
+    cap += f", PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', ALLOC_CONF)}"
     limit = (f"the GPU's memory{cap} (a real out-of-memory in a child process)" if on_gpu else
              f"a memory budget of {result['budget_bytes'] / MIB:.0f} MiB: the step's resident growth plus the model's "
              "weights and AdamW state, measured in a child process (on the CPU, memory is not the limit: this stands "

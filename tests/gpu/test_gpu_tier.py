@@ -69,45 +69,99 @@ def test_tier_full_and_a_failing_drive(tmp_path, sleep, monkeypatch):
         off.close()
 
 
+def _slow_layers():
+    """12 layers of 2048 at 4096 rows, bf16, and a step of them that sleeps between layers: the
+    step's peak above its start and the weights' gradients."""
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(torch.nn.Linear(2048, 2048, device=CUDA, dtype=torch.bfloat16) for _ in range(12))
+    x = torch.randn(4096, 2048, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+    return layers, x
+
+
+def _slow_step(layers, x, off, sleep):
+    for p in layers.parameters():
+        p.grad = None
+    x.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    with off if off is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        y = x
+        for layer in layers:
+            sleep(5)
+            y = torch.nn.functional.gelu(layer(y))
+        loss = y.float().square().mean()
+    loss.backward()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - start, [p.grad.clone() for p in layers.parameters()]
+
+
+SAVED = 12 * 2 * 4096 * 2048 * 2  # each layer saves its input and its output's pre-activation
+
+
 def test_tier_lowers_the_device_peak(tmp_path, sleep):
     """A slow forward (sleeps between layers): once the copy clock has learned the copy rate and
     forward's time, the saves are released in stream order before forward ends, and the step's
     device peak falls by most of what they hold."""
-    torch.manual_seed(0)
-    layers = torch.nn.ModuleList(torch.nn.Linear(2048, 2048, device=CUDA, dtype=torch.bfloat16) for _ in range(12))
-    x = torch.randn(4096, 2048, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
-
-    def step(off):
-        for p in layers.parameters():
-            p.grad = None
-        x.grad = None
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        start = torch.cuda.memory_allocated()
-        with off if off is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-            y = x
-            for layer in layers:
-                sleep(5)
-                y = torch.nn.functional.gelu(layer(y))
-            loss = y.float().square().mean()
-        loss.backward()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - start, [p.grad.clone() for p in layers.parameters()]
-
-    base_peak, want = step(None)
+    layers, x = _slow_layers()
+    base_peak, want = _slow_step(layers, x, None, sleep)
     off = ssdtrain.Offloader(layers, path=str(tmp_path), host_bytes="2GiB")
     try:
         for _ in range(40):  # until the clock has both rates (the first slab is pinned in the background)
-            step(off)
+            _slow_step(layers, x, off, sleep)
             off.wait()
             if off._tier.clock.ratio is not None:
                 break
         assert off._tier.clock.ratio is not None, "the copy clock never learned its rates"
-        peak, got = step(off)
+        peak, got = _slow_step(layers, x, off, sleep)
         s = off.stats()
     finally:
         off.close()
     assert all(torch.equal(a, b) for a, b in zip(want, got))
-    saved = 12 * 2 * 4096 * 2048 * 2  # each layer saves its input and its output's pre-activation
-    assert base_peak - peak >= 0.25 * saved, (base_peak, peak, saved)
+    assert base_peak - peak >= 0.25 * SAVED, (base_peak, peak, SAVED)
     assert s.host_tier_peak_bytes <= 2 << 30
+
+
+def test_no_step_keeps_everything_where_there_is_no_room(tmp_path, sleep, monkeypatch):
+    """Note [the reference forward needs room]: with no room above the last peak for what the
+    tier took off it, no forward is measured with no copy: every step's peak stays low (the tier
+    copies what it can, due by the forward before), a warning says so once, gradients exact."""
+    monkeypatch.setattr(ssdtrain.device, "room_above_peak", lambda dev: 0)
+    layers, x = _slow_layers()
+    base_peak, want = _slow_step(layers, x, None, sleep)
+    off = ssdtrain.Offloader(layers, path=str(tmp_path), host_bytes="2GiB")
+    peaks = []
+    try:
+        with pytest.warns(RuntimeWarning, match="no room to measure a forward"):
+            for _ in range(40):
+                peak, got = _slow_step(layers, x, off, sleep)
+                off.wait()
+                peaks.append(peak)
+                if off._tier.clock.deferred >= 4:
+                    break
+        clock = off._tier.clock
+        assert clock.deferred >= 4 and clock.reference is None and clock.limit is None
+        assert clock.ratio is not None  # due positions from the forward before: released in stream order
+    finally:
+        off.close()
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    # The last three steps (due positions known) copied: none kept all on the device.
+    assert max(peaks[-3:]) <= base_peak - 0.25 * SAVED, (base_peak, peaks)
+
+
+def test_room_above_peak_follows_the_peak_and_the_fraction():
+    from ssdtrain import device
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = device.room_above_peak(CUDA)
+    t = torch.empty(256 << 20, dtype=torch.uint8, device=CUDA)
+    after = device.room_above_peak(CUDA)
+    assert (200 << 20) <= before - after <= (300 << 20), (before, after)
+    total = torch.cuda.get_device_properties(CUDA).total_memory
+    try:
+        torch.cuda.set_per_process_memory_fraction((torch.cuda.max_memory_allocated() + (1 << 30)) / total, CUDA)
+        assert device.room_above_peak(CUDA) <= (1 << 30) + (1 << 20)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, CUDA)
+    del t
