@@ -220,9 +220,9 @@ def test_tier_failing_drive_keeps_the_spill_in_memory(off_dir, tier_on_cpu, monk
     assert s.failed_writes > 0 and s.host_copied_bytes > 0
 
 
-def test_a_closed_copy_budget_keeps_the_rest_of_forward_without_entries(off_dir, tier_on_cpu):
-    """Note [a save the budget keeps skips the cache]: once the tier's budget refused a save, the
-    rest of that forward is held as small saves are (no entry), counted as kept by the budget."""
+def _tier_setup(off_dir):
+    """The GPT, its loss, its gradients without offloading, an Offloader through a 64 MiB tier, and
+    a step with it that returns its stats before, during forward and after."""
     model, loss_fn = _gpt()
     base = step(model, loss_fn, None)
     off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, host_bytes="64MiB")
@@ -235,6 +235,19 @@ def test_a_closed_copy_budget_keeps_the_rest_of_forward_without_entries(off_dir,
         loss.backward()
         off.wait()
         return before, during, off.stats()
+    return model, loss_fn, base, off, forward
+
+
+def _copied(stats):
+    """The bytes the tier copied in a step, from ``forward()``'s stats."""
+    before, _, after = stats
+    return after.host_copied_bytes - before.host_copied_bytes
+
+
+def test_a_closed_copy_budget_keeps_the_rest_of_forward_without_entries(off_dir, tier_on_cpu):
+    """Note [a save the budget keeps skips the cache]: once the tier's budget refused a save, the
+    rest of that forward is held as small saves are (no entry), counted as kept by the budget."""
+    model, loss_fn, base, off, forward = _tier_setup(off_dir)
     try:
         _, open_, _ = forward()  # no limit learned: every save has an entry
         off._tier.clock.limit = 200_000  # as if learned: this much of a forward is copied
@@ -254,18 +267,11 @@ def test_the_copy_clock_counts_saves_kept_at_once(off_dir, tier_on_cpu):
     at its first save) counts every save, so the clock learns forward's whole length and the next
     forward copies. Counting entries alone, that forward counted one save and the tier then
     refused every copy (on the H200, 2026-11-27)."""
-    model, loss_fn = _gpt()
-    base = step(model, loss_fn, None)
-    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, host_bytes="64MiB")
+    model, loss_fn, base, off, steps = _tier_setup(off_dir)
     clock = off._tier.clock
 
     def forward():
-        before = off.stats()
-        with off:
-            loss = loss_fn()
-        loss.backward()
-        off.wait()
-        return off.stats().host_copied_bytes - before.host_copied_bytes
+        return _copied(steps())
     try:
         assert forward() > 0  # nothing learned: every save copied, each with an entry
         produced = clock.pos
@@ -299,18 +305,11 @@ def test_the_reference_forward_waits_for_room(off_dir, tier_on_cpu, monkeypatch)
     room = {"bytes": 0}
     monkeypatch.setattr(offloader_mod.device, "GpuTimer", Timer)
     monkeypatch.setattr(offloader_mod.device, "room_above_peak", lambda dev: room["bytes"])
-    model, loss_fn = _gpt()
-    base = step(model, loss_fn, None)
-    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, host_bytes="64MiB")
+    model, loss_fn, base, off, steps = _tier_setup(off_dir)
     clock = off._tier.clock
 
     def forward():
-        before = off.stats()
-        with off:
-            loss = loss_fn()
-        loss.backward()
-        off.wait()
-        return off.stats().host_copied_bytes - before.host_copied_bytes
+        return _copied(steps())
     try:
         first = forward()  # the copy rate not known yet: every save copied
         assert first > 0
