@@ -304,7 +304,7 @@ class Offloader:
             with self._lock:
                 t = self._counters.total
                 msg = self._advice.observe(t.unique_bytes, t.written_bytes,
-                                           t.budget_kept_bytes + t.adaptive_keep_bytes)
+                                           t.budget_kept_bytes + t.adaptive_keep_bytes + t.peak_kept_bytes)
             if msg:
                 warnings.warn(msg, RuntimeWarning, stacklevel=3)
         self._safe_point(raise_errors=raise_errors)

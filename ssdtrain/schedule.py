@@ -266,8 +266,9 @@ class Tally:
 # on an H100 with a 2 GB/s drive, 53 MiB of the 7.1 GiB a step saved (2026-11-24). Nothing breaks,
 # and nothing tells the user that the memory they count on is not being saved, while every save
 # still costs the training thread its bookkeeping. So once the budget had time to settle, if the
-# drive took under ``share`` of what the last ``span`` forwards saved while the budget and adaptive
-# keep kept most of it, the offloader warns once, with the figures and the remedy: checkpoint the
+# drive took under ``share`` of what the last ``span`` forwards saved while the budget, adaptive
+# keep and the peak rule kept most of it (the peak rule's share was left out until 2026-11-27:
+# on a loaded machine, where it keeps most, the warning did not come), the offloader warns once, with the figures and the remedy: checkpoint the
 # blocks and offload only their inputs (17 times fewer bytes per layer), or plan it first.
 class DriveAdvice:
     """Once, a message saying the drive carries little of what forward saves (see the Note)."""
@@ -280,7 +281,8 @@ class DriveAdvice:
 
     def observe(self, unique: float, written: float, drive_kept: float) -> str | None:
         """At each forward's end: running totals of the bytes saved (each storage once), written,
-        and kept for the drive's sake (budget and adaptive keep). Returns the message, once."""
+        and kept for the drive's sake (budget, adaptive keep, and the peak rule: a write that would
+        end after the peak). Returns the message, once."""
         if self.given:
             return None
         self.forwards += 1
@@ -294,8 +296,9 @@ class DriveAdvice:
         self.given = True
         return (f"ssdtrain: the drive took {100 * wrote / saved:.1f}% of what the last {self.span} forwards saved "
                 f"({_fmt_bytes(wrote / self.span)} of {_fmt_bytes(saved / self.span)} per forward); the rest stayed in "
-                "memory because the drive could not bring more back in time (stats().budget_kept_bytes, "
-                "adaptive_keep_bytes), so offloading saves little memory here. With activation checkpointing "
+                "memory because the drive could not take more before the peak or bring more back in time "
+                "(stats().peak_kept_bytes, budget_kept_bytes, adaptive_keep_bytes), so offloading saves little memory "
+                "here. With activation checkpointing "
                 "(torch.utils.checkpoint per block inside `with off:`, and min_bytes=0) only block inputs are saved, "
                 "about 17 times fewer bytes, which a drive can carry; `ssdtrain plan` estimates what yours takes. "
                 "(This warning is given once.)")

@@ -222,7 +222,10 @@ def test_an_offloader_warns_once_when_its_drive_takes_little(recwarn):
         assert len(said) == (0 if i < 7 else 1), (i, [str(w.message) for w in recwarn.list])
     assert said[0].category is RuntimeWarning and said[0].filename.endswith("_equiv.py")  # points at the `with off:`
     s = off.stats()
-    assert s.written_bytes < 0.05 * s.unique_bytes and s.adaptive_keep_bytes + s.budget_kept_bytes > s.unique_bytes / 2
+    # Kept: still queued when backward began, refused by the budget, or by the peak rule (which of
+    # them depends on the machine's pace: on a loaded one forward is slower, the peak later).
+    kept = s.adaptive_keep_bytes + s.budget_kept_bytes + s.peak_kept_bytes
+    assert s.written_bytes < 0.05 * s.unique_bytes and kept > s.unique_bytes / 2
     off.close()
     slow.close()
     # The same model on a drive that keeps up (every write lands before backward): nothing is said.
