@@ -84,6 +84,7 @@ def predict(result: dict, mode: str, rate_of: str | None = None) -> tuple[plan_d
         min_bytes=config["min_bytes"],
         # What the offloader hands to the drive at once (offloader.py): 2 x chunk_bytes x io_threads per path.
         handoff_bytes=2 * config["chunk_bytes"] * config["io_threads"] * len(config["path"]),
+        host_gbps=0.0,  # the bench ran on the CPU: no host tier (it is for CUDA saves)
     )
     return plan_drive.drive_step(Inputs(**fields), mode, 1, m["batch"]), fields
 
@@ -92,7 +93,8 @@ def _cli(fields: dict, mode: str) -> str:
     """The ``ssdtrain plan`` command with the same inputs (its drive-limited section shows the prediction)."""
     flags = [f"--{k.replace('_', '-')} " + (f"{fields[k]:.6g}" if isinstance(fields[k], float) else f"{fields[k]}")
              for k in ("layers", "hidden", "heads", "seq", "vocab", "gpus", "gpu_mem_gib", "global_batch", "stages",
-                       "dtype", "tflops", "backward_tflops", "drive_gbps", "drive_read_gbps", "min_bytes")]
+                       "dtype", "tflops", "backward_tflops", "drive_gbps", "drive_read_gbps", "min_bytes",
+                       "host_gbps")]
     flags.append(f"--handoff-mib {fields['handoff_bytes'] / MIB:g}")
     flags += [] if fields["flash"] else ["--no-flash"]
     flags += [] if fields["dropout"] else ["--no-dropout"]

@@ -40,6 +40,13 @@ dimensions, the achieved compute rate and the drive, with the same rules the off
   wait longer than ``max(10 ms, 1% of the step)``, the write budget lets only the earliest saves
   go (backward needs them last) - the longest prefix whose reads all come in time.
 * Writes and reads are separate directions of the drive (as the bench's throttles model them).
+* **The host tier** (``--host-gbps``, ``--host-gib``; Note [copy what leaves before the peak] in
+  ``tier.py``): in front of the drive, queued saves are copied to pinned host memory one after
+  another at ``B_host``, each no sooner than it is queued; a copy that would end after forward
+  ends is not made, and the rest of that forward stays in memory (the copy clock closes); a save
+  the tier has no room for (``host_gib``, shared by the micro-batches in flight) goes to the
+  drive, under the drive's rules. What was copied is freed before the peak and read back at
+  ``B_host`` from backward's start (no read budget: the tier has none).
 
 * **1F1B** (``stages > 1``; the first stage, in steady state): a micro-batch's backward comes
   ``stages - 1`` slots after its forward, each slot one forward and one backward. The drive
@@ -195,6 +202,10 @@ class DriveStep:
     """Whether the write budget had to hold saves back (reads would not come in time)."""
     forward_s: float
     backward_s: float
+    host_bytes: int = 0
+    """Copied to the host tier before forward ended: freed (part of ``free_bytes``)."""
+    spilled_bytes: int = 0
+    """Saves the host tier had no room for, handed to the drive."""
 
 
 def _queue(saves_: list[Save], eligible: list[int]) -> list[tuple[int, float]]:
@@ -242,6 +253,26 @@ def _write(saves_: list[Save], queue: list[tuple[int, float]], forward_s: float,
     return done
 
 
+def _copy(saves_: list[Save], queue: list[tuple[int, float]], forward_s: float, bps: float,
+          capacity: float) -> tuple[list[int], list[tuple[int, float]]]:
+    """The host tier's share of ``queue`` (the module docstring's "host tier"): the saves copied
+    before forward ends, and the queue of those it had no room for (the drive's)."""
+    copied: list[int] = []
+    spill: list[tuple[int, float]] = []
+    end, used = 0.0, 0
+    for i, t in queue:
+        n = saves_[i].nbytes
+        finish = max(end, t) + n / bps
+        if t > forward_s or finish > forward_s:
+            break  # due after forward's end: not copied, and the rest of forward is kept
+        if used + n > capacity:
+            spill.append((i, t))
+            continue
+        end, used = finish, used + n
+        copied.append(i)
+    return copied, spill
+
+
 def _read_wait(saves_: list[Save], idx: list[int], bps: float, lead_s: float = 0.0) -> float:
     """Backward's wait if ``idx`` (pack order) are read back in reverse from ``lead_s`` before
     backward's start."""
@@ -253,17 +284,25 @@ def _read_wait(saves_: list[Save], idx: list[int], bps: float, lead_s: float = 0
 
 
 def simulate(saves_: list[Save], *, forward_s: float, backward_s: float, write_bps: float, read_bps: float,
-             handoff_bytes: int, min_bytes: int, pipelined: bool = False) -> DriveStep:
+             handoff_bytes: int, min_bytes: int, pipelined: bool = False, host_bps: float = 0.0,
+             host_capacity: float = 0) -> DriveStep:
     """What the offloader writes, frees and keeps of one micro-batch's ``saves_`` on a drive of
-    ``write_bps`` / ``read_bps`` bytes per second (the rules in the module docstring).
+    ``write_bps`` / ``read_bps`` bytes per second (the rules in the module docstring), behind a
+    host tier of ``host_bps`` and ``host_capacity`` bytes (0: none).
 
     ``pipelined``: the micro-batch is one of a 1F1B stage's in steady state, with others' slots
     between its forward and its backward (the module docstring's "1F1B")."""
-    if not (write_bps > 0 and read_bps > 0 and handoff_bytes > 0 and min_bytes >= 0):
-        raise ValueError(f"drive rates and handoff_bytes must be > 0 and min_bytes >= 0, got write_bps={write_bps!r}, "
-                         f"read_bps={read_bps!r}, handoff_bytes={handoff_bytes!r}, min_bytes={min_bytes!r}")
+    if not (write_bps > 0 and read_bps > 0 and handoff_bytes > 0 and min_bytes >= 0 and host_bps >= 0
+            and host_capacity >= 0):
+        raise ValueError(f"drive rates and handoff_bytes must be > 0, min_bytes and the host tier's figures >= 0, got "
+                         f"write_bps={write_bps!r}, read_bps={read_bps!r}, handoff_bytes={handoff_bytes!r}, "
+                         f"min_bytes={min_bytes!r}, host_bps={host_bps!r}, host_capacity={host_capacity!r}")
     eligible = [i for i, s in enumerate(saves_) if s.nbytes and s.nbytes >= min_bytes]
     queue = _queue(saves_, eligible)
+    eligible_bytes = sum(saves_[i].nbytes for i, _ in queue)
+    copied: list[int] = []
+    if host_bps > 0 and host_capacity > 0:
+        copied, queue = _copy(saves_, queue, forward_s, host_bps, host_capacity)
     order = [i for i, _ in queue]
     total = sum(s.nbytes for s in saves_)
     # The writes' time: until backward begins; in a pipeline, one slot's share of the drive.
@@ -282,20 +321,26 @@ def simulate(saves_: list[Save], *, forward_s: float, backward_s: float, write_b
         bound, tail = True, 0
         while freed and _read_wait(saves_, freed, read_bps, lead) > tolerance:
             freed.pop()
-    free = sum(saves_[i].nbytes for i in freed)
+    host = sum(saves_[i].nbytes for i in copied)
+    if copied:
+        wait = max(wait, _read_wait(saves_, copied, host_bps, lead))
+    written = sum(saves_[i].nbytes for i in freed)
+    free = written + host
+    host_possible = min(host_bps * forward_s, host_capacity) if host_bps > 0 and host_capacity > 0 else 0.0
     return DriveStep(
-        saved_bytes=total, eligible_bytes=sum(saves_[i].nbytes for i in order),
+        saved_bytes=total, eligible_bytes=eligible_bytes,
         capacity_bytes=min(write_bps * until, read_bps * (backward_s + lead)),
-        possible_bytes=min(write_bps * until, total), free_bytes=free, tail_bytes=tail,
-        written_bytes=free + tail, kept_bytes=total - free, read_wait_s=wait, budget_bound=bound,
-        forward_s=forward_s, backward_s=backward_s,
+        possible_bytes=min(write_bps * until + host_possible, total), free_bytes=free, tail_bytes=tail,
+        written_bytes=written + tail, kept_bytes=total - free, read_wait_s=wait, budget_bound=bound,
+        forward_s=forward_s, backward_s=backward_s, host_bytes=host, spilled_bytes=sum(saves_[i].nbytes for i in order),
     )
 
 
-def drive_step(inp, mode: str, stages: int, micro_batch: int, *, head: bool | None = None) -> DriveStep:
+def drive_step(inp, mode: str, stages: int, micro_batch: int, *, head: bool | None = None,
+               inflight: int = 1) -> DriveStep:
     """:func:`simulate` for ``inp`` (a :class:`ssdtrain.plan.Inputs`): one micro-batch of the
     first of ``stages`` pipeline stages (the whole model, head included, when ``stages == 1``;
-    under 1F1B otherwise)."""
+    under 1F1B otherwise), ``inflight`` micro-batches sharing the host tier."""
     if mode not in DRIVE_MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {DRIVE_MODES}")
     layers = math.ceil(inp.layers / stages)
@@ -306,13 +351,15 @@ def drive_step(inp, mode: str, stages: int, micro_batch: int, *, head: bool | No
         backward_tflops=inp.backward_tflops or inp.tflops)
     return simulate(list_, forward_s=fwd, backward_s=bwd, write_bps=inp.drive_gbps * inp.drives * 1e9,
                     read_bps=inp.read_gbps * inp.drives * 1e9, handoff_bytes=inp.handoff_bytes * inp.drives,
-                    min_bytes=inp.min_bytes, pipelined=stages > 1)
+                    min_bytes=inp.min_bytes, pipelined=stages > 1,
+                    host_bps=inp.host_gbps * 1e9 if inp.host_tier else 0.0,
+                    host_capacity=inp.host_gib * (1 << 30) / inflight if inp.host_tier else 0)
 
 
 def _fits(inp, mode: str, p: int, b: int, m: int) -> tuple[float, DriveStep]:
     """Peak bytes per GPU at (p, b) when each micro-batch in flight frees what the drive can take."""
-    step = drive_step(inp, mode, p, b)
     inflight = min(m, p)
+    step = drive_step(inp, mode, p, b, inflight=inflight)
     if mode == "offload":
         layer_act = math.ceil(inp.layers / p) * inp.act_layer(b)
         return _stage_memory(inp, "offload", p, b, m, min(1.0, step.free_bytes / layer_act)), step
@@ -365,13 +412,14 @@ def drive_limited(inp) -> dict:
     the bytes a step offloads at no cost, the micro-batch and bubble that buys, and the drives
     needed to offload everything."""
     out: dict = {"drives": inp.drives, "write_gbps_per_drive": inp.drive_gbps, "read_gbps_per_drive": inp.read_gbps,
-                 "handoff_bytes_per_drive": inp.handoff_bytes, "min_bytes": inp.min_bytes}
+                 "handoff_bytes_per_drive": inp.handoff_bytes, "min_bytes": inp.min_bytes,
+                 "host_gbps": inp.host_gbps if inp.host_tier else 0.0, "host_gib": inp.host_gib if inp.host_tier else 0.0}
     for mode in DRIVE_MODES:
         best = _best(inp, mode)
         row: dict = {"best": best, "max_micro_batch": None, "drives_for_full_offload": None}
         if best is not None:
             row["max_micro_batch"] = _max_micro_batch(inp, mode, best["stages"])
-            one = inp.__class__(**{**asdict(inp), "drives": 1})
+            one = inp.__class__(**{**asdict(inp), "drives": 1, "host_gbps": 0.0})  # a drive's own carry
             per_drive = drive_step(one, mode, best["stages"], best["micro_batch"]).capacity_bytes
             need = best["drive"]["saved_bytes"]
             row["drives_for_full_offload"] = math.ceil(need / per_drive) if per_drive > 0 else None
@@ -385,8 +433,11 @@ def _gib(n: float) -> str:
 
 def format_drive(section: dict) -> list[str]:
     """Lines of the human-readable plan for :func:`drive_limited`'s section."""
+    tier = (f"; host tier {section['host_gbps']:g} GB/s, {section['host_gib']:g} GiB per GPU in front of it"
+            if section.get("host_gbps") else "; no host tier")
     lines = [f"drive-limited (at no cost: never waits on the drive): {section['drives']} drive(s) per GPU, "
-             f"{section['write_gbps_per_drive']:g} GB/s write, {section['read_gbps_per_drive']:g} GB/s read each"]
+             f"{section['write_gbps_per_drive']:g} GB/s write, {section['read_gbps_per_drive']:g} GB/s read each"
+             + tier]
     for mode in DRIVE_MODES:
         row = section[mode]
         best = row["best"]
@@ -399,7 +450,8 @@ def format_drive(section: dict) -> list[str]:
         lines.append(
             f"  {mode}: the peak falls by {_gib(d['free_bytes'])} per micro-batch at no cost ({share:.0%} of "
             f"{_gib(d['saved_bytes'])} saved; {possible:.0%} of the possible {_gib(d['possible_bytes'])}, what the "
-            f"drive writes in {'a slot' if best['stages'] > 1 else 'forward'}); "
+            f"{'host tier and the drive take' if section.get('host_gbps') else 'drive takes'} in "
+            f"{'a slot' if best['stages'] > 1 else 'forward'}); "
             f"{_gib(best['free_bytes_per_step'])} of {_gib(best['saved_bytes_per_step'])} per step; "
             f"{best['stages']} stage(s), micro-batch {best['micro_batch']} (max {row['max_micro_batch']}), "
             f"bubble {best['bubble_fraction']:.1%}, {best['memory_gib']:.1f} GiB/GPU, step {best['step_time_s']:.3f}s")
@@ -410,6 +462,9 @@ def format_drive(section: dict) -> list[str]:
         else:
             carry = (f"per micro-batch: drive could carry {_gib(d['capacity_bytes'])} = min(write x forward "
                      f"{d['forward_s']:.3f}s, read x backward {d['backward_s']:.3f}s)")
+        if section.get("host_gbps"):
+            lines.append(f"    host tier: {_gib(d['host_bytes'])} copied before the peak, {_gib(d['spilled_bytes'])} it "
+                         "had no room for handed to the drive")
         lines.append(
             f"    {carry}; full offload needs {row['drives_for_full_offload']} drive(s) per GPU"
             + ("; reads would not come back in time: the write budget keeps the rest" if d["budget_bound"] else ""))
@@ -424,6 +479,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--backward-tflops", type=float, default=None,
                     help="achieved TFLOPS in backward (default: --tflops); with --tflops, the compute rate "
                     "measured on a machine (FLOPs of forward over its seconds, 2x that for backward)")
+    ap.add_argument("--host-gbps", type=float, default=25.0,
+                    help="the host tier's copy rate between a GPU and pinned host memory, GB/s each way (default 25: "
+                    "PCIe 4.0 x16; an H100's PCIe 5.0 measured 54; `ssdtrain probe` measures it); 0: no host tier")
+    ap.add_argument("--host-gib", type=float, default=64.0,
+                    help="pinned host memory per GPU for the tier (host_bytes; default 64: a quarter of 2 TB among 8 "
+                    "GPUs, ssdtrain's default share); 0: no host tier")
     ap.add_argument("--min-bytes", type=int, default=1 << 20,
                     help="saves under this many bytes stay in memory (the offloader's min_bytes; default 1 MiB)")
     ap.add_argument("--handoff-mib", type=float, default=64.0,
@@ -434,4 +495,5 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def input_fields(args: argparse.Namespace) -> dict:
     """:class:`ssdtrain.plan.Inputs` fields from :func:`add_arguments`'s flags."""
     return {"drives": args.drives, "drive_read_gbps": args.drive_read_gbps, "backward_tflops": args.backward_tflops,
-            "min_bytes": args.min_bytes, "handoff_bytes": int(args.handoff_mib * MIB)}
+            "min_bytes": args.min_bytes, "handoff_bytes": int(args.handoff_mib * MIB), "host_gbps": args.host_gbps,
+            "host_gib": args.host_gib}

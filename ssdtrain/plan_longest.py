@@ -1,6 +1,6 @@
 """The longest sequence each mode trains on one GPU: ``ssdtrain plan``'s section for long-context
 users (micro-batch 1; PEFT, sharded states and a chunked loss as ``Inputs`` says), on the memory
-model of ``plan_model.py`` and the drive's share of ``plan_drive.py``."""
+model of ``plan_model.py`` and the host tier's and the drive's share of ``plan_drive.py``."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ _SEQ_STEP = 256  # sequence lengths are searched in multiples of this
 
 def _memory_at(inp, mode: str, seq: int) -> float:
     """Peak bytes per GPU for micro-batches of one sequence of ``seq`` tokens at ``inp.stages or 1``
-    stages; the offload modes free what the drive takes (:func:`_fits`)."""
+    stages; the offload modes free what the host tier and the drive take (:func:`_fits`)."""
     one = replace(inp, seq=seq)
     p = inp.stages or 1
     m = max(1, one.global_batch // max(1, one.gpus // p))
@@ -74,7 +74,7 @@ def format_longest(section: dict) -> list[str]:
                      f"({row['memory_gib']:.1f} GiB{step})")
     gain = section["gain"]
     if gain and gain["model"]:
-        lines.append(f"  offloading the checkpoints: x{gain['model']:.2f} recompute's sequence here (the drive's share "
-                     f"included); all of them off the GPU would give (L x input + block) / block = "
+        lines.append(f"  offloading the checkpoints: x{gain['model']:.2f} recompute's sequence here (the host tier's and "
+                     f"the drive's share included); all of them off the GPU would give (L x input + block) / block = "
                      f"x{gain['predicted']:.2f}")
     return lines

@@ -90,6 +90,13 @@ class Inputs:
     loss_chunk: int = 0
     """Tokens per chunk of a chunked loss (a fused linear cross-entropy, Liger's): one chunk's
     fp32 logits are held instead of the whole sequence's; 0: the whole logits."""
+    host_gbps: float = 25.0
+    """The host tier's copy rate between a GPU and pinned host memory, GB/s each way (PCIe 4.0 x16
+    carries about 25; an H100's PCIe 5.0 measured 54); 0: no host tier."""
+    host_gib: float = 64.0
+    """Pinned host memory per GPU for the tier (the offloader's ``host_bytes``; its default is a
+    quarter of the RAM available divided among the local ranks: 64 GiB on a machine of 2 TB and
+    8 GPUs); 0: no host tier."""
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "seq", "vocab", "gpus", "global_batch", "drives"):
@@ -107,6 +114,9 @@ class Inputs:
             raise ValueError(f"--trainable-fraction must be in (0, 1], got {self.trainable_fraction!r}")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"--zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        for name in ("host_gbps", "host_gib"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: no host tier), got {getattr(self, name)!r}")
         if not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
             raise ValueError(f"--loss-chunk must be an integer >= 0, got {self.loss_chunk!r}")
         if self.hidden % self.heads:
@@ -122,6 +132,10 @@ class Inputs:
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def host_tier(self) -> bool:
+        return self.host_gbps > 0 and self.host_gib > 0
 
     @property
     def read_gbps(self) -> float:

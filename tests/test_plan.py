@@ -31,7 +31,7 @@ def test_formula_generalisation(s, h, a, b):
 
 def _inp(**kw):
     base = dict(layers=8, hidden=1024, heads=16, seq=2048, vocab=32000, gpus=8, gpu_mem_gib=80,
-                global_batch=64, dtype="bf16", flash=True)
+                global_batch=64, dtype="bf16", flash=True, host_gbps=0.0)  # the drive alone; the tier: its tests
     base.update(kw)
     return P.Inputs(**base)
 
@@ -249,6 +249,54 @@ def test_slow_drive_writes_in_pack_order_only_what_ends_before_the_peak():
     assert _sim(_saves(*FOUR), write_bps=50.0, handoff_bytes=1).written_bytes == 100
 
 
+def test_host_tier_takes_the_earliest_saves_and_spills_what_it_cannot_hold():
+    # Saves 0-3 queued at 1, 2, 3, 4 (each when the next comes; the last is held). A tier of 200 B/s
+    # copies each in 0.5 s: all four done by 4.5, forward's end; the drive gets nothing.
+    step = _sim(_saves(*FOUR), host_bps=200.0, host_capacity=1000, write_bps=1.0)
+    assert (step.host_bytes, step.spilled_bytes, step.written_bytes, step.free_bytes) == (400, 0, 0, 400)
+    assert step.possible_bytes == 500  # min(drive and tier rates x forward, saved)
+    # Room for two: the other two go to the drive (fast here), which frees them before the peak too.
+    step = _sim(_saves(*FOUR), host_bps=200.0, host_capacity=200)
+    assert (step.host_bytes, step.spilled_bytes, step.written_bytes, step.free_bytes) == (200, 200, 200, 400)
+    assert step.possible_bytes == pytest.approx(min(1e9 * 4.5 + 200, 500))
+    # A slow tier (40 B/s: 2.5 s a save): save 0 is copied by 3.5, save 1 would end at 6 > 4.5: not
+    # copied, and the rest of forward stays (the copy clock closes), the drive too.
+    step = _sim(_saves(*FOUR), host_bps=40.0, host_capacity=1000)
+    assert (step.host_bytes, step.spilled_bytes, step.written_bytes, step.kept_bytes) == (100, 0, 0, 400)
+    # Read back at the tier's rate from backward's start: save 0 needed at 0.5 s, its 100 B take 1 s.
+    step = _sim(_saves(*FOUR, needed=[0.5, 0.4, 0.3, 0.2, 0.1]), host_bps=40.0, host_capacity=1000)
+    assert step.read_wait_s == pytest.approx(100 / 40.0 - 0.5)
+    with pytest.raises(ValueError, match="host_bps"):
+        _sim(_saves(*FOUR), host_bps=-1.0)
+
+
+def test_plan_models_the_host_tier(tmp_path, capsys):
+    """``ssdtrain plan`` with the tier (the default) against the drive alone: at a GPU's pace a slow
+    drive frees little before the peak, the tier all the checkpoints, and the longest sequence of
+    recompute+offload comes near (L x input + block) / block times recompute's."""
+    args = ["--layers", "32", "--hidden", "4096", "--heads", "32", "--seq", "32768", "--vocab", "128256",
+            "--gpus", "1", "--gpu-mem-gib", "80", "--global-batch", "1", "--trainable-fraction", "0.01",
+            "--loss-chunk", "4096", "--drive-gbps", "0.1"]
+    plans = {}
+    for name, extra in (("drive", ["--host-gbps", "0"]), ("tier", []), ("small", ["--host-gib", "16"])):
+        out = tmp_path / f"{name}.json"
+        assert P.main(args + extra + ["--json", str(out)]) == 0
+        plans[name] = json.loads(out.read_text())
+    text = capsys.readouterr().out
+    assert "host tier 25 GB/s, 64 GiB per GPU" in text and "no host tier" in text
+    drive = plans["drive"]["drive_limited"]["recompute+offload"]["best"]["drive"]
+    tier = plans["tier"]["drive_limited"]["recompute+offload"]["best"]["drive"]
+    assert tier["host_bytes"] == tier["free_bytes"] >= 32 * 32768 * 4096 * 2  # every block input
+    assert tier["host_bytes"] > 10 * drive["free_bytes"]
+    assert plans["tier"]["drive_limited"]["host_gbps"] == 25.0 and plans["drive"]["drive_limited"]["host_gbps"] == 0
+    gain = {name: p["longest_seq"]["gain"]["model"] for name, p in plans.items()}
+    assert gain["tier"] > 1.5 * gain["drive"]  # x2.12 against x1.04 (recompute: 141312 tokens)
+    # 64 GiB of host memory holds the block inputs of about 260k tokens; 16 GiB, a quarter.
+    assert gain["drive"] < gain["small"] < gain["tier"] <= plans["tier"]["longest_seq"]["gain"]["predicted"]
+    with pytest.raises(ValueError, match="--host-gib"):
+        _inp(host_gib=-1.0)
+
+
 def test_min_bytes_keeps_small_saves_and_the_last_eligible_waits():
     saves = _saves((100, 0.0), (5, 1.0), (100, 2.0), (100, 3.0), (5, 4.0))
     step = _sim(saves, min_bytes=10)
@@ -340,7 +388,8 @@ def test_in_a_pipeline_a_micro_batch_writes_for_its_slot_and_reads_a_slot_early(
 def _bench_inp(**kw):
     """The bench model (8 layers, hidden 512, seq 512, batch 4, fp32) on one 'GPU' at ~0.2 TFLOPS."""
     base = dict(layers=8, hidden=512, heads=8, seq=512, vocab=8192, gpus=1, gpu_mem_gib=1024, global_batch=4,
-                stages=1, dtype="fp32", dropout=False, tflops=0.18, drive_gbps=2.0, handoff_bytes=32 << 20)
+                stages=1, dtype="fp32", dropout=False, tflops=0.18, drive_gbps=2.0, handoff_bytes=32 << 20,
+                host_gbps=0.0)
     base.update(kw)
     return P.Inputs(**base)
 
