@@ -6,6 +6,8 @@ after step, while a first write also pays for block allocation, reported apart),
 back, with the page cache out of the way (``O_DIRECT``; when the filesystem
 refuses it, buffered I/O with ``fsync`` and the cache dropped, and a warning). Also reports the
 filesystem type, free space and capacity, and warns when a path is RAM-backed or on the network.
+Where a CUDA device is present it also measures the host tier's yardstick: copies between the
+device and pinned host memory, each way and both at once (``host_rates``; ``--no-host`` skips it).
 
 The file lives in a fresh ``0700`` directory, is created ``O_EXCL`` with mode ``0600`` and is
 unlinked (and the directory removed) right after it is opened: nothing is left behind, even if
@@ -325,6 +327,51 @@ def format_table(results: Sequence[ProbeResult]) -> str:
     return "\n".join(lines)
 
 
+def host_rates(size_bytes: int = 256 << 20, repeats: int = 3) -> dict:
+    """Copy rates between the current CUDA device and pinned host memory, GB/s: device to host,
+    host to device, and each way while both run (two side streams); the best of ``repeats``,
+    timed with events. ``{"device": None, "why": ...}`` where there is no CUDA device."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"device": None, "why": "no CUDA device"}
+    dev = torch.device("cuda", torch.cuda.current_device())
+    host = torch.empty(2 * size_bytes, dtype=torch.uint8, pin_memory=True)
+    gpu = torch.empty(2 * size_bytes, dtype=torch.uint8, device=dev)
+    streams = (torch.cuda.Stream(dev), torch.cuda.Stream(dev))
+
+    def timed(copies) -> float:  # copies: (stream, dst, src); seconds of the slowest, best of repeats
+        best = float("inf")
+        for _ in range(repeats):
+            marks = []
+            for stream, dst, src in copies:
+                with torch.cuda.stream(stream):
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record(stream)
+                    dst.copy_(src, non_blocking=True)
+                    b.record(stream)
+                    marks.append((a, b))
+            torch.cuda.synchronize(dev)
+            best = min(best, max(a.elapsed_time(b) for a, b in marks) / 1e3)
+        return best
+
+    lo, hi = slice(0, size_bytes), slice(size_bytes, 2 * size_bytes)
+    d2h = timed([(streams[0], host[lo], gpu[lo])])
+    h2d = timed([(streams[0], gpu[lo], host[lo])])
+    both = timed([(streams[0], host[lo], gpu[lo]), (streams[1], gpu[hi], host[hi])])
+    return {"device": torch.cuda.get_device_name(dev), "size_bytes": size_bytes,
+            "d2h_gbps": size_bytes / d2h / GB, "h2d_gbps": size_bytes / h2d / GB,
+            "both_ways_gbps_each": size_bytes / both / GB}
+
+
+def format_host(host: dict) -> str:
+    if host.get("device") is None:
+        return f"host tier: copy rates not measured ({host.get('why', 'skipped')})"
+    return (f"host tier: {host['device']}: device to host {host['d2h_gbps']:.1f} GB/s, host to device "
+            f"{host['h2d_gbps']:.1f} GB/s, {host['both_ways_gbps_each']:.1f} GB/s each way at once (pinned, "
+            f"{host['size_bytes'] >> 20} MiB copies, best of 3); `ssdtrain plan --host-gbps` takes the lower")
+
+
 def _parser() -> argparse.ArgumentParser:
     from ssdtrain.config import parse_bytes
 
@@ -352,6 +399,8 @@ def _parser() -> argparse.ArgumentParser:
                    "bandwidth: adds drive writes per day")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH ('-' for stdout)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no table")
+    p.add_argument("--no-host", action="store_true",
+                   help="do not measure the copy rates between a CUDA device and pinned host memory")
     return p
 
 
@@ -379,10 +428,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.write_rate == "full":
             r.drive_writes_per_day = endurance.drive_writes_per_day(r.write_gbps * GB, r.total_bytes)
         results.append(r)
+    host = {"device": None, "why": "--no-host"} if args.no_host else host_rates()
     if results and not args.quiet and args.json != "-":
         print(format_table(results))
+    if not args.quiet and args.json != "-":
+        print(format_host(host))
     if args.json:
-        doc = json.dumps({"results": [r.as_dict() for r in results]}, indent=2)
+        doc = json.dumps({"results": [r.as_dict() for r in results], "host": host}, indent=2)
         if args.json == "-":
             print(doc)
         else:

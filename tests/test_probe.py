@@ -98,6 +98,11 @@ def test_cli_json_and_table(tmp_path, capsys):
     assert r["drive_writes_per_day"] == pytest.approx(r["write_gbps"] * 1e9 * 86400 / r["total_bytes"])
     printed = capsys.readouterr().out
     assert "write GB/s" in printed and str(store) in printed
+    # No CUDA device here: the host tier's copy rates are said to be not measured (tests/gpu measures them).
+    assert doc["host"] == {"device": None, "why": "no CUDA device"}
+    assert "host tier: copy rates not measured (no CUDA device)" in printed
+    rc = probe.main([str(store), "--size", "2MiB", "--block", "1MiB", "--no-host", "--json", str(out)])
+    assert rc == 0 and json.loads(out.read_text())["host"]["why"] == "--no-host"
     assert list(store.iterdir()) == []
 
 

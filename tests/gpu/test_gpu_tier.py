@@ -165,3 +165,14 @@ def test_room_above_peak_follows_the_peak_and_the_fraction():
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, CUDA)
     del t
+
+
+def test_probe_measures_the_host_tiers_copy_rates():
+    from ssdtrain import probe
+
+    r = probe.host_rates(64 << 20)
+    assert r["device"] == torch.cuda.get_device_name()
+    # PCIe 3.0 x16 and up carry well over 5 GB/s each way; both at once, no more than one alone (x1.2).
+    assert r["d2h_gbps"] > 5 and r["h2d_gbps"] > 5
+    assert 1 < r["both_ways_gbps_each"] <= 1.2 * max(r["d2h_gbps"], r["h2d_gbps"])
+    assert "device to host" in probe.format_host(r)
