@@ -463,24 +463,34 @@ class GpuTimer:
         return self.start.elapsed_time(self.end) / 1e3
 
 
+def timed_copies(copies: list[tuple[torch.cuda.Stream, torch.Tensor, torch.Tensor]], repeats: int = 3) -> float:
+    """Seconds of the slowest of ``copies`` (``(stream, dst, src)``, queued side by side, each on
+    its stream), the best of ``repeats`` rounds, timed with events."""
+    best = float("inf")
+    for _ in range(repeats):
+        marks = []
+        for stream, dst, src in copies:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(stream):
+                a.record(stream)
+                dst.copy_(src, non_blocking=True)
+                b.record(stream)
+            marks.append((a, b))
+        for _, b in marks:
+            b.synchronize()
+        best = min(best, max(a.elapsed_time(b) for a, b in marks) / 1e3)
+    return max(best, 1e-9)
+
+
 def copy_rate(dev: torch.device, pinned: torch.Tensor) -> float:
     """Bytes per second of a device-to-host copy into ``pinned`` (at least 64 MiB) on this
     thread's side stream: the best of three, timed with events. Allocates device memory for it."""
     n = min(pinned.numel(), 64 << 20)
     with _on(dev):
         src = torch.empty(n, dtype=torch.uint8, device=dev)
-        stream = side_stream(dev)
-        best = float("inf")
-        for _ in range(3):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(stream):
-                a.record(stream)
-                pinned[:n].copy_(src, non_blocking=True)
-                b.record(stream)
-            b.synchronize()
-            best = min(best, a.elapsed_time(b) / 1e3)
+        seconds = timed_copies([(side_stream(dev), pinned[:n], src)])
         del src
-    return n / max(best, 1e-9)
+    return n / seconds
 
 
 def pinned_empty(nbytes: int) -> torch.Tensor:

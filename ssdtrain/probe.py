@@ -333,33 +333,19 @@ def host_rates(size_bytes: int = 256 << 20, repeats: int = 3) -> dict:
     timed with events. ``{"device": None, "why": ...}`` where there is no CUDA device."""
     import torch
 
+    from ssdtrain.device import timed_copies
+
     if not torch.cuda.is_available():
         return {"device": None, "why": "no CUDA device"}
     dev = torch.device("cuda", torch.cuda.current_device())
     host = torch.empty(2 * size_bytes, dtype=torch.uint8, pin_memory=True)
     gpu = torch.empty(2 * size_bytes, dtype=torch.uint8, device=dev)
     streams = (torch.cuda.Stream(dev), torch.cuda.Stream(dev))
-
-    def timed(copies) -> float:  # copies: (stream, dst, src); seconds of the slowest, best of repeats
-        best = float("inf")
-        for _ in range(repeats):
-            marks = []
-            for stream, dst, src in copies:
-                with torch.cuda.stream(stream):
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record(stream)
-                    dst.copy_(src, non_blocking=True)
-                    b.record(stream)
-                    marks.append((a, b))
-            torch.cuda.synchronize(dev)
-            best = min(best, max(a.elapsed_time(b) for a, b in marks) / 1e3)
-        return best
-
     lo, hi = slice(0, size_bytes), slice(size_bytes, 2 * size_bytes)
-    d2h = timed([(streams[0], host[lo], gpu[lo])])
-    h2d = timed([(streams[0], gpu[lo], host[lo])])
-    both = timed([(streams[0], host[lo], gpu[lo]), (streams[1], gpu[hi], host[hi])])
-    return {"device": torch.cuda.get_device_name(dev), "size_bytes": size_bytes,
+    d2h = timed_copies([(streams[0], host[lo], gpu[lo])], repeats)
+    h2d = timed_copies([(streams[0], gpu[lo], host[lo])], repeats)
+    both = timed_copies([(streams[0], host[lo], gpu[lo]), (streams[1], gpu[hi], host[hi])], repeats)
+    return {"device": torch.cuda.get_device_name(dev), "size_bytes": size_bytes, "repeats": repeats,
             "d2h_gbps": size_bytes / d2h / GB, "h2d_gbps": size_bytes / h2d / GB,
             "both_ways_gbps_each": size_bytes / both / GB}
 
@@ -369,7 +355,7 @@ def format_host(host: dict) -> str:
         return f"host tier: copy rates not measured ({host.get('why', 'skipped')})"
     return (f"host tier: {host['device']}: device to host {host['d2h_gbps']:.1f} GB/s, host to device "
             f"{host['h2d_gbps']:.1f} GB/s, {host['both_ways_gbps_each']:.1f} GB/s each way at once (pinned, "
-            f"{host['size_bytes'] >> 20} MiB copies, best of 3); `ssdtrain plan --host-gbps` takes the lower")
+            f"{host['size_bytes'] >> 20} MiB copies, best of {host['repeats']}); `ssdtrain plan --host-gbps` takes the lower")
 
 
 def _parser() -> argparse.ArgumentParser:
