@@ -45,6 +45,20 @@ def test_max_seq_refuses_bad_input(capsys):
     assert "--start-seq must be at least 16" in capsys.readouterr().err
 
 
+def test_a_gpu_budget_above_its_memory_is_refused_before_any_probe(capsys, monkeypatch):
+    import types
+
+    import torch
+
+    from ssdtrain.bench import command
+
+    monkeypatch.setattr(command, "resolve_device", lambda name: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: types.SimpleNamespace(total_memory=8 << 30))
+    monkeypatch.setattr(maxseq, "probe_in_child", lambda spec: (_ for _ in ()).throw(AssertionError("probed")))
+    assert bench_main(["--max-seq", "--device", "cuda", "--memory-budget", "16GiB"]) == 2
+    assert "--memory-budget 16384 MiB is more than cuda:0's 8192 MiB" in capsys.readouterr().err
+
+
 def test_a_probe_that_does_not_fit_the_budget_says_so():
     cfg = maxseq.cpu_model().replace(layers=2, hidden=32, heads=2, vocab=64, seq=64)
     r = maxseq.probe_in_child({"model": dataclasses.asdict(cfg), "mode": "baseline", "device": "cpu",

@@ -130,6 +130,13 @@ def _max_seq(ns: argparse.Namespace) -> int:
     gpu = dev.type == "cuda"
     if ns.memory_budget is not None and ns.memory_budget <= 0:
         raise ValueError(f"--memory-budget must be a positive size, got {ns.memory_budget}")
+    if gpu and ns.memory_budget is not None:
+        import torch
+
+        total = torch.cuda.get_device_properties(dev).total_memory
+        if ns.memory_budget > total:
+            raise ValueError(f"--memory-budget {ns.memory_budget >> 20} MiB is more than {dev}'s {total >> 20} MiB: "
+                             "give a smaller one, or none for all of it")
     modes = tuple(m.strip() for m in ns.modes.split(",") if m.strip()) if ns.modes != ",".join(MODES) else (
         MAX_SEQ_MODES + (("save_on_cpu",) if gpu else ()))
     bad = [m for m in modes if m not in MODES]
@@ -142,8 +149,8 @@ def _max_seq(ns: argparse.Namespace) -> int:
         raise ValueError(f"--start-seq must be at least 16, got {start}")
     progress = None if ns.no_progress else (lambda text: print("  " + text, file=sys.stderr, flush=True))
     args = MaxSeqArgs(model=model, device=str(dev), dtype=ns.dtype or default_dtype(dev), batch=ns.batch or 1,
-                      modes=modes, budget_bytes=ns.memory_budget if gpu else (ns.memory_budget or DEFAULT_BUDGET), start=start,
-                      limit=ns.max_seq_limit, path=ns.path, progress=progress)
+                      modes=modes, budget_bytes=ns.memory_budget if gpu else (ns.memory_budget or DEFAULT_BUDGET),
+                      start=start, limit=ns.max_seq_limit, path=ns.path, progress=progress)
     from ssdtrain.bench.maxseq import run_max_seq
 
     result = run_max_seq(args)
