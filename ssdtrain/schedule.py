@@ -268,8 +268,9 @@ class Tally:
 # still costs the training thread its bookkeeping. So once the budget had time to settle, if the
 # drive took under ``share`` of what the last ``span`` forwards saved while the budget, adaptive
 # keep and the peak rule kept most of it (the peak rule's share was left out until 2026-11-27:
-# on a loaded machine, where it keeps most, the warning did not come), the offloader warns once, with the figures and the remedy: checkpoint the
-# blocks and offload only their inputs (17 times fewer bytes per layer), or plan it first.
+# on a loaded machine, where it keeps most, the warning did not come), the offloader warns once,
+# with the figures and the remedy: checkpoint the blocks and offload only their inputs (17 times
+# fewer bytes per layer), or plan it first.
 class DriveAdvice:
     """Once, a message saying the drive carries little of what forward saves (see the Note)."""
 

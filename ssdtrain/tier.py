@@ -217,9 +217,8 @@ class HostPool:
 # with offloading), it would run out of memory: there the measurement waits, and forwards copy
 # every save due before forward's end, by due positions from the last forward (longer for its
 # copies: a ratio too low, due too early, so the compute stream may wait for a copy: slower, but
-# alive). Seen on an
-# H200 (2026-11-27): at recompute+offload's longest sequence under a 6 GiB cap, the step measured
-# kept every block input on the device.
+# alive). Seen on an H200 (2026-11-27): at recompute+offload's longest sequence under a 6 GiB cap,
+# the step measured kept every block input on the device.
 class CopyClock:
     """Positions in a forward, in bytes produced (see the Note); what a forward may copy."""
 
