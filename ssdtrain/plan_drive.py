@@ -301,7 +301,8 @@ def simulate(saves_: list[Save], *, forward_s: float, backward_s: float, write_b
     queue = _queue(saves_, eligible)
     eligible_bytes = sum(saves_[i].nbytes for i, _ in queue)
     copied: list[int] = []
-    if host_bps > 0 and host_capacity > 0:
+    tier = host_bps > 0 and host_capacity > 0
+    if tier:
         copied, queue = _copy(saves_, queue, forward_s, host_bps, host_capacity)
     order = [i for i, _ in queue]
     total = sum(s.nbytes for s in saves_)
@@ -326,7 +327,7 @@ def simulate(saves_: list[Save], *, forward_s: float, backward_s: float, write_b
         wait = max(wait, _read_wait(saves_, copied, host_bps, lead))
     written = sum(saves_[i].nbytes for i in freed)
     free = written + host
-    host_possible = min(host_bps * forward_s, host_capacity) if host_bps > 0 and host_capacity > 0 else 0.0
+    host_possible = min(host_bps * forward_s, host_capacity) if tier else 0.0
     return DriveStep(
         saved_bytes=total, eligible_bytes=eligible_bytes,
         capacity_bytes=min(write_bps * until, read_bps * (backward_s + lead)),
@@ -357,7 +358,8 @@ def drive_step(inp, mode: str, stages: int, micro_batch: int, *, head: bool | No
 
 
 def _fits(inp, mode: str, p: int, b: int, m: int) -> tuple[float, DriveStep]:
-    """Peak bytes per GPU at (p, b) when each micro-batch in flight frees what the drive can take."""
+    """Peak bytes per GPU at (p, b) when each micro-batch in flight frees what the host tier and the
+    drive can take."""
     inflight = min(m, p)
     step = drive_step(inp, mode, p, b, inflight=inflight)
     if mode == "offload":
