@@ -13,7 +13,11 @@ that only count), reports:
   every thread), every thread's Python stack a set time into a step queued behind the spin
   (``--dump-after S``), and their native stacks through ``cuda-gdb`` (``--native-stacks FILE``).
 
-    python benchmarks/gpu_overhead.py [--layers 8 --hidden 256 ...] [--backend posix] [--path DIR]
+    python benchmarks/gpu_overhead.py [--layers 8 --hidden 256 ...] [--backend posix] [--path DIR] [--recompute]
+
+``--recompute``: each block under ``torch.utils.checkpoint`` and ``min_bytes=0``, as the bench's
+``recompute+offload``; ``baseline`` is then recompute. On the H200 (2026-11-27) that mode's
+host forward took 9 ms more than recompute's for about 25 saves (issue 29, item 4).
 
 First run on an H100, 2026-11-24: benchmarks/RESULTS.md ("The first GPU run").
 """
@@ -57,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default="memory")
     ap.add_argument("--path", default=None)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--recompute", action="store_true",
+                    help="each block under torch.utils.checkpoint, min_bytes=0 (recompute+offload: "
+                         "the offloader sees the block inputs; the baseline is recompute)")
     ap.add_argument("--spin-ms", type=float, default=2000)
     ap.add_argument("--profile", type=int, default=25, help="cProfile rows (0: none)")
     ap.add_argument("--switch-interval", type=float, help="sys.setswitchinterval for this run (GIL hand-over)")
@@ -73,11 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device("cuda")
     torch.manual_seed(0)
     cfg = GPTConfig(vocab=a.vocab, seq=a.seq, layers=a.layers, hidden=a.hidden, heads=a.heads)
-    model = GPT(cfg).to(dev, torch.bfloat16)
+    model = GPT(cfg, recompute=a.recompute).to(dev, torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens = torch.randint(0, a.vocab, (a.batch, a.seq), device=dev)
     path = a.path or tempfile.mkdtemp(prefix="ssdtrain-overhead-")
-    off = ssdtrain.Offloader(model, path=path, backend=a.backend)
+    off = ssdtrain.Offloader(model, path=path, backend=a.backend, **({"min_bytes": 0} if a.recompute else {}))
     saves = [0]
 
     def count(t):

@@ -333,48 +333,61 @@ class Offloader:
             return keep.alias(t)
         if type(t) is not torch.Tensor:
             return self._pack_parts(t)
+        # Note [pack is the training thread's time]: every call below is paid once per save, on
+        # the thread that launches the model's kernels (about 325 saves a step at the bench's GPU
+        # shape; 37 us a save doubled an H200's host forward, 2026-11-27): each value is read
+        # once, no context manager is entered unless a profiler runs, a safe point with nothing
+        # owed costs one call. benchmarks/pack_cost.py counts the calls and times them.
+        if self._closed or os.getpid() != self._pid:
+            self._check_open()
         storage = t.untyped_storage()
-        if storage.nbytes() < self._small_bytes:  # Note [a small save skips the cache]
-            self._check_open()
+        nbytes = t.nbytes
+        storage_bytes = storage.nbytes()
+        if storage_bytes < self._small_bytes:  # Note [a small save skips the cache]
             scope = self._step_scope()
             with self._lock:
                 if self._peak.active:
-                    self._peak.produced(t.numel() * t.element_size(), _now())
-                return self._cache.small.add(t, storage, scope.stats_id)
-        with profiled("ssdtrain.pack"):
-            self._check_open()
-            self._safe_point(raise_errors=True)
-            scope = self._step_scope()
-            view_lo, view_hi = byte_span(t)
-            lo, hi = entry_span(view_lo, view_hi, t.untyped_storage().nbytes())
-            layer = self._layer_stack[-1] if self._layer_stack else None
-            with self._lock:
-                if self._peak.active:
-                    self._peak.produced(t.numel() * t.element_size(), _now())
-                entry = self._cache.index.find(t, view_lo, view_hi)
-                small = None
-                if entry is None:  # Note [a save the budget keeps skips the cache]
-                    why = self._kept_at_once(t, hi - lo)
-                    if why is not None:
-                        if (self._tier is not None and t.device.type in self._tier_devices
-                                and storage._cdata not in self._cache.small.rows):
-                            self._tier.clock.produced(hi - lo)  # Note [the copy clock counts every save]
-                        small = self._cache.small.add(t, storage, scope.stats_id, why)
-                        self._writer.passed(scope, hi - lo)
-                if small is None:
-                    self._counters.add(scope.stats_id, "saved_bytes", t.numel() * t.element_size())
-                    fresh = entry is None
-                    try:
-                        if fresh:
-                            entry = self._new_entry(t, lo, hi, scope, layer)
-                        ref = Ref(entry, t, self._graveyard)
-                    except BaseException:
-                        if fresh and entry is not None and entry.refs == 0:  # interrupted: nothing holds it
-                            self._drop_ref(entry, -1, None)
-                        raise
-            if self._writer.pending:
-                self._writer.pump()
-            return ref if small is None else small
+                    self._peak.produced(nbytes, _now())
+                return self._cache.small.add(t, storage, scope.stats_id, nbytes=nbytes)
+        self._safe_point(raise_errors=True)
+        if torch.autograd.profiler._is_profiler_enabled:
+            with profiled("ssdtrain.pack"):
+                return self._pack_entry(t, storage, nbytes, storage_bytes)
+        return self._pack_entry(t, storage, nbytes, storage_bytes)
+
+    def _pack_entry(self, t: torch.Tensor, storage: Any, nbytes: int, storage_bytes: int) -> Any:
+        """Pack of a save that is not small: shared, kept at once, or a new entry."""
+        scope = self._step_scope()
+        view_lo, view_hi = byte_span(t, nbytes)
+        lo, hi = entry_span(view_lo, view_hi, storage_bytes)
+        layer = self._layer_stack[-1] if self._layer_stack else None
+        with self._lock:
+            if self._peak.active:
+                self._peak.produced(nbytes, _now())
+            entry = self._cache.index.find(t, view_lo, view_hi)
+            small = None
+            if entry is None:  # Note [a save the budget keeps skips the cache]
+                why = self._kept_at_once(t, hi - lo)
+                if why is not None:
+                    if (self._tier is not None and t.device.type in self._tier_devices
+                            and storage._cdata not in self._cache.small.rows):
+                        self._tier.clock.produced(hi - lo)  # Note [the copy clock counts every save]
+                    small = self._cache.small.add(t, storage, scope.stats_id, why, nbytes=nbytes)
+                    self._writer.passed(scope, hi - lo)
+            if small is None:
+                self._counters.add(scope.stats_id, "saved_bytes", nbytes)
+                fresh = entry is None
+                try:
+                    if fresh:
+                        entry = self._new_entry(t, lo, hi, scope, layer)
+                    ref = Ref(entry, t, self._graveyard)
+                except BaseException:
+                    if fresh and entry is not None and entry.refs == 0:  # interrupted: nothing holds it
+                        self._drop_ref(entry, -1, None)
+                    raise
+        if self._writer.pending:
+            self._writer.pump()
+        return ref if small is None else small
 
     def _pack_parts(self, t: torch.Tensor) -> Any:
         """Note [a DTensor is saved by its parts]: each tensor part packed as a save of its own."""
@@ -439,7 +452,8 @@ class Offloader:
         if (self._graveyard or self._writer.completed or self._cache.late or self._cache.small.dead
                 or self._cache.lagging):
             self._drain()
-        self._failures.surface(raise_errors=raise_errors)
+        if self._failures.pending:
+            self._failures.surface(raise_errors=raise_errors)
 
     def _drain(self, *, reconcile: bool = False) -> None:
         """Settles dead references and finished writes, on the thread that runs compute.
@@ -551,36 +565,41 @@ class Offloader:
             return ref.unpack()
         if type(ref) is Parts:
             return ref.rebuild(self._unpack)
-        with profiled("ssdtrain.unpack"):
-            self._safe_point(raise_errors=False)
-            e = ref.entry
-            scope = e.scope
-            with self._lock:
-                if e.state is State.FREED:
-                    raise RuntimeError("ssdtrain: a saved tensor was unpacked after it was freed (internal error)")
-                if not scope.backward_started:
-                    self._begin_backward(scope)
-                scope.armed = False
-                e.check_version()
-                if e.tainted:
-                    raise RuntimeError(e.tainted)
-                if e.data is None and e.consumed_pass == scope.passes and e.loaded is None:
-                    # Unpacked again after every save of it was: a new backward pass (retain_graph).
-                    scope.passes += 1
-                    scope.restart()
-                self._reader.prefetch(scope, e.layer)
-                scope.used(e)
-                if e.data is not None:
-                    if e.state is State.QUEUED:
-                        self._writer.cancel(e)
-                    self._cache.forwarded(e)
-                    return device.for_consumer(rebuild(e.data, ref))
-                if e.error is not None:
-                    # A fresh copy each time: a raised exception keeps its traceback, and the
-                    # frames in it (holding saved references) must not live on in the entry.
-                    raise copy.copy(e.error).with_traceback(None)
-                fut, buf = self._reader.claim(e)
-            return device.for_consumer(self._reader.finish(e, ref, fut, buf))
+        self._safe_point(raise_errors=False)
+        if torch.autograd.profiler._is_profiler_enabled:  # Note [pack is the training thread's time]
+            with profiled("ssdtrain.unpack"):
+                return self._unpack_entry(ref)
+        return self._unpack_entry(ref)
+
+    def _unpack_entry(self, ref: Ref) -> torch.Tensor:
+        e = ref.entry
+        scope = e.scope
+        with self._lock:
+            if e.state is State.FREED:
+                raise RuntimeError("ssdtrain: a saved tensor was unpacked after it was freed (internal error)")
+            if not scope.backward_started:
+                self._begin_backward(scope)
+            scope.armed = False
+            e.check_version()
+            if e.tainted:
+                raise RuntimeError(e.tainted)
+            if e.data is None and e.consumed_pass == scope.passes and e.loaded is None:
+                # Unpacked again after every save of it was: a new backward pass (retain_graph).
+                scope.passes += 1
+                scope.restart()
+            self._reader.prefetch(scope, e.layer)
+            scope.used(e)
+            if e.data is not None:
+                if e.state is State.QUEUED:
+                    self._writer.cancel(e)
+                self._cache.forwarded(e)
+                return device.for_consumer(rebuild(e.data, ref))
+            if e.error is not None:
+                # A fresh copy each time: a raised exception keeps its traceback, and the
+                # frames in it (holding saved references) must not live on in the entry.
+                raise copy.copy(e.error).with_traceback(None)
+            fut, buf = self._reader.claim(e)
+        return device.for_consumer(self._reader.finish(e, ref, fut, buf))
 
     # Note [reads go on while kept saves are used]
     # Read-ahead advances at unpacks (Reader.prefetch), into the memory backward frees. In the

@@ -164,3 +164,18 @@ def test_rebuild_geometry_roundtrip():
             r = rebuild(copy, Ref(e, v, []))
             assert r.dtype == v.dtype and r.shape == v.shape and r.stride() == v.stride()
             assert torch.equal(r, v)
+
+
+def test_byte_span_of_a_contiguous_view_is_its_elements():
+    """The contiguous shortcut (one call on pack's path) reaches the bytes the strides reach."""
+    base = torch.arange(4 * 6 * 8, dtype=torch.float32).reshape(4, 6, 8)
+    views = [base, base[1:], base[2, 1:3], base[:, 1:2, :], base.unsqueeze(1), base[1:2].transpose(0, 1),
+             base.view(torch.complex64)[1], base.view(torch.int16)[3, 5], base[..., 1:], base.transpose(0, 2),
+             base[0, 0, 0:1].expand(5), base.reshape(-1)[7:8], base.as_strided((2, 1, 3), (3, 99, 1), 5)]
+    for v in views:
+        size = v.element_size()
+        lo = v.storage_offset() * size
+        reach = sum((n - 1) * s for n, s in zip(v.shape, v.stride()))
+        assert byte_span(v) == (lo, lo + (reach + 1) * size), (v.shape, v.stride())
+        assert byte_span(v, v.nbytes) == byte_span(v)
+    assert any(v.is_contiguous() for v in views) and not all(v.is_contiguous() for v in views)
