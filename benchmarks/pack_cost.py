@@ -143,17 +143,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="FILE")
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
-    if dev.type == "cpu":
-        offloader_mod._TIER_DEVICES = ("cuda", "cpu")  # the tier's logic on CPU tensors (as tests/test_tier.py)
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=512, seq=a.seq, layers=a.layers, hidden=a.hidden, heads=a.heads)).to(dev)
     tokens = torch.randint(0, 512, (a.batch, a.seq), device=dev)
     modes = a.modes.split(",")
     runs: dict[str, list[dict]] = {m: [] for m in modes}
-    with tempfile.TemporaryDirectory(prefix="ssdtrain-pack-cost-") as path:
-        for _ in range(a.rounds):  # alternated, medians over rounds: these VMs are noisy
-            for mode in modes:
-                runs[mode].append(measure(mode, model, tokens, a.steps, path))
+    tier_devices = offloader_mod._TIER_DEVICES
+    if dev.type == "cpu":
+        offloader_mod._TIER_DEVICES = ("cuda", "cpu")  # the tier's logic on CPU tensors (as tests/test_tier.py)
+    try:
+        with tempfile.TemporaryDirectory(prefix="ssdtrain-pack-cost-") as path:
+            for _ in range(a.rounds):  # alternated, medians over rounds: these VMs are noisy
+                for mode in modes:
+                    runs[mode].append(measure(mode, model, tokens, a.steps, path))
+    finally:
+        offloader_mod._TIER_DEVICES = tier_devices
     rows = []
     for mode in modes:
         row = dict(runs[mode][0])

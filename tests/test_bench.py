@@ -556,3 +556,24 @@ def test_peak_benchmark_smoke(tmp_path, capsys):
     fig = json.loads(out.read_text())["rows"][0]["figures"]
     assert fig["possible_bytes"] == pytest.approx(min(100e6 * fig["reference_forward_s"], fig["unique_bytes"]))
     assert fig["fall_bytes"] <= fig["unique_bytes"] and 0 < fig["peak_share"] <= 1
+
+
+def test_pack_cost_benchmark_smoke(tmp_path, capsys):
+    """benchmarks/pack_cost.py at a tiny size: each path is the one it names, and a save kept at
+    once makes fewer calls than one copied to the tier (so that the benchmark cannot rot, and the
+    cheap path stays cheap)."""
+    from ssdtrain import offloader as offloader_mod
+
+    module = _benchmark("pack_cost")
+    out = tmp_path / "pack.json"
+    before = offloader_mod._TIER_DEVICES
+    assert module.main(["--layers", "2", "--steps", "2", "--rounds", "1", "--json", str(out)]) == 0
+    assert offloader_mod._TIER_DEVICES == before  # the tier on CPU tensors only while it ran
+    assert "fwd +us/save" in capsys.readouterr().out
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["tier"]["host_copied_bytes"] > 0 and rows["tier"]["written_bytes"] > 0
+    assert rows["drive"]["host_copied_bytes"] == 0 and rows["drive"]["written_bytes"] > 0
+    assert rows["kept"]["written_bytes"] == 0 and rows["kept"]["kept_bytes"] > 0
+    for mode in ("tier", "drive", "kept"):
+        assert rows[mode]["saves"] > 0 and rows[mode]["pack_us"] > 0 and rows[mode]["pack_calls"] > 0
+    assert rows["kept"]["pack_calls"] < rows["tier"]["pack_calls"]
