@@ -86,9 +86,7 @@ def measure(mode: str, model, tokens, steps: int, path: str) -> dict:
             return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
     else:
         kw = {"min_bytes": 0, "backend": "memory"}
-        if mode == "drive":
-            kw["host_bytes"] = 0
-        elif mode == "kept":
+        if mode in ("drive", "kept"):
             kw["host_bytes"] = 0
         off = ssdtrain.Offloader(model, path=path, **kw)
         if mode == "kept":

@@ -336,10 +336,8 @@ class Offloader:
         # Note [pack is the training thread's time]: every call below is paid once per save, on
         # the thread that launches the model's kernels (about 325 saves a step at the bench's GPU
         # shape; 37 us a save doubled an H200's host forward, 2026-11-27): each value is read
-        # once, no context manager is entered unless a profiler runs, a safe point with nothing
-        # owed costs one call. benchmarks/pack_cost.py counts the calls and times them.
-        if self._closed or os.getpid() != self._pid:
-            self._check_open()
+        # once, no context manager is entered unless a profiler runs. benchmarks/pack_cost.py counts the calls and times them.
+        self._check_open()
         storage = t.untyped_storage()
         nbytes = t.nbytes
         storage_bytes = storage.nbytes()
@@ -348,7 +346,7 @@ class Offloader:
             with self._lock:
                 if self._peak.active:
                     self._peak.produced(nbytes, _now())
-                return self._cache.small.add(t, storage, scope.stats_id, nbytes=nbytes)
+                return self._cache.small.add(t, storage, scope.stats_id)
         self._safe_point(raise_errors=True)
         if torch.autograd.profiler._is_profiler_enabled:
             with profiled("ssdtrain.pack"):
@@ -358,7 +356,7 @@ class Offloader:
     def _pack_entry(self, t: torch.Tensor, storage: Any, nbytes: int, storage_bytes: int) -> Any:
         """Pack of a save that is not small: shared, kept at once, or a new entry."""
         scope = self._step_scope()
-        view_lo, view_hi = byte_span(t, nbytes)
+        view_lo, view_hi = byte_span(t)
         lo, hi = entry_span(view_lo, view_hi, storage_bytes)
         layer = self._layer_stack[-1] if self._layer_stack else None
         with self._lock:
@@ -372,7 +370,7 @@ class Offloader:
                     if (self._tier is not None and t.device.type in self._tier_devices
                             and storage._cdata not in self._cache.small.rows):
                         self._tier.clock.produced(hi - lo)  # Note [the copy clock counts every save]
-                    small = self._cache.small.add(t, storage, scope.stats_id, why, nbytes=nbytes)
+                    small = self._cache.small.add(t, storage, scope.stats_id, why)
                     self._writer.passed(scope, hi - lo)
             if small is None:
                 self._counters.add(scope.stats_id, "saved_bytes", nbytes)
@@ -452,8 +450,7 @@ class Offloader:
         if (self._graveyard or self._writer.completed or self._cache.late or self._cache.small.dead
                 or self._cache.lagging):
             self._drain()
-        if self._failures.pending:
-            self._failures.surface(raise_errors=raise_errors)
+        self._failures.surface(raise_errors=raise_errors)
 
     def _drain(self, *, reconcile: bool = False) -> None:
         """Settles dead references and finished writes, on the thread that runs compute.

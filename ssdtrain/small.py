@@ -65,12 +65,10 @@ class SmallSaves:
         self.live_bytes = 0
         self.counters = counters
 
-    def add(self, t: torch.Tensor, storage: torch.UntypedStorage, stats_id: Any, why: str | None = None, *,
-            nbytes: int | None = None) -> Small:
-        """A save of ``t`` (``nbytes``: ``t.nbytes``, if the caller has it), whose storage is
-        small (or kept for ``why``, a counter its new storage adds to: Note [a save the budget
-        keeps skips the cache]); its deaths filed so far are settled first (a storage freed since
-        may have left its address, its key, to ``t``'s)."""
+    def add(self, t: torch.Tensor, storage: torch.UntypedStorage, stats_id: Any, why: str | None = None) -> Small:
+        """A save of ``t``, whose storage is small (or kept for ``why``, a counter its new storage
+        adds to: Note [a save the budget keeps skips the cache]); its deaths filed so far are
+        settled first (a storage freed since may have left its address, its key, to ``t``'s)."""
         if self.dead:
             self.settle()
         key = storage._cdata
@@ -79,7 +77,7 @@ class SmallSaves:
             self._drop(key, row)
             row = None
         counters = self.counters
-        counters.add(stats_id, "saved_bytes", t.nbytes if nbytes is None else nbytes)
+        counters.add(stats_id, "saved_bytes", t.nbytes)
         if row is None:
             nbytes = storage.nbytes()
             row = self.rows[key] = [StorageWeakRef(storage), nbytes, 0]

@@ -16,13 +16,12 @@ __all__ = ["SPAN_ALIGN", "byte_span", "entry_span", "byte_view", "rebuild", "mod
 SPAN_ALIGN = 16
 
 
-def byte_span(t: torch.Tensor, nbytes: int | None = None) -> tuple[int, int]:
-    """The bytes ``[lo, hi)`` of ``t``'s storage that ``t`` can reach (``nbytes``: ``t.nbytes``,
-    if the caller has it). ``t`` has at least one element."""
+def byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[lo, hi)`` of ``t``'s storage that ``t`` can reach (``t`` has an element)."""
     size = t.element_size()
     lo = t.storage_offset() * size
     if t.is_contiguous():  # the common case, in one call: its reach is its elements
-        return lo, lo + (t.nbytes if nbytes is None else nbytes)
+        return lo, lo + t.nbytes
     reach = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
     return lo, lo + (reach + 1) * size
 

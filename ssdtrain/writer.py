@@ -341,11 +341,6 @@ class WriteFailures:
             self._warnings.append(f"ssdtrain: a write failed ({err}); on_error='keep': tensors that cannot be "
                                   "written stay in memory (see stats().failed_writes)")
 
-    @property
-    def pending(self) -> bool:
-        """Whether :meth:`surface` has something to say (read without a lock: a hint)."""
-        return bool(self._warnings) or self._error is not None
-
     def surface(self, *, raise_errors: bool) -> None:
         """On the training thread: warns, and raises the error kept if ``raise_errors``."""
         while self._warnings:
