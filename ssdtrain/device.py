@@ -430,12 +430,13 @@ def room_above_peak(dev: torch.device) -> int:
     peak's last reset): the device's free memory plus what the caching allocator holds unused,
     within the per-process fraction if one is set (``set_per_process_memory_fraction``)."""
     with _on(dev):
-        free, total = torch.cuda.mem_get_info(dev)
-        limit = free + torch.cuda.memory_reserved(dev)
+        index = torch.cuda.current_device() if dev.index is None else dev.index  # "cuda" alone
+        free, total = torch.cuda.mem_get_info(index)
+        limit = free + torch.cuda.memory_reserved(index)
         fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-        if fraction is not None:
-            limit = min(limit, int(total * fraction(dev)))
-        return limit - torch.cuda.max_memory_allocated(dev)
+        if fraction is not None:  # it refuses a device with no index (torch 2.11, H200 2026-11-27)
+            limit = min(limit, int(total * fraction(index)))
+        return limit - torch.cuda.max_memory_allocated(index)
 
 
 class GpuTimer:

@@ -78,6 +78,7 @@ class MaxSeqArgs:
     path: str | None = None
     pairs: int = 2  # alternated recompute / recompute+offload pairs at recompute's longest sequence
     progress: Callable[[str], None] | None = None
+    partial: Callable[[dict], None] | None = None  # given the probes so far after each one (a search cut off keeps them)
 
 
 def probe_in_child(spec: dict) -> dict:
@@ -107,6 +108,8 @@ def _child(spec: dict) -> dict:
 
     cfg = GPTConfig(**spec["model"])
     dev = torch.device(spec["device"])
+    if dev.type == "cuda" and dev.index is None:  # the memory fraction's calls want an index (torch 2.11)
+        dev = torch.device("cuda", torch.cuda.current_device())
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec["dtype"]]
     torch.manual_seed(0)
     out: dict[str, Any] = {"seq": cfg.seq, "fits": False, "oom": False, "peak_bytes": None, "step_s": None,
@@ -211,9 +214,13 @@ def run_max_seq(args: MaxSeqArgs) -> dict:
         peak = "-" if r.get("peak_bytes") is None else f"{r['peak_bytes'] / MIB:.0f} MiB"
         step = "-" if r.get("step_s") is None else f"{r['step_s']:.2f}s"
         say(f"{mode} seq {seq}: {'fits' if r['fits'] else 'does not fit'} (peak {peak}, step {step})")
+        done.append(r)
+        if args.partial is not None:
+            args.partial({"model": dataclasses.asdict(args.model), "device": args.device, "dtype": args.dtype,
+                          "batch": args.batch, "budget_bytes": args.budget_bytes, "partial": True, "probes": done})
         return r
 
-    rows, probes = [], []
+    rows, probes, done = [], [], []
     for mode in args.modes:
         longest, tried = search(mode, probe, args.start, args.limit)
         probes += tried
