@@ -530,12 +530,13 @@ class Offloader:
             clock.learn(timer.seconds(), clock.pos)
         room = True
         if clock.wants_reference() and self._fwd_dev is not None:  # Note [the reference forward needs room]
-            room = device.room_above_peak(self._fwd_dev) >= REFERENCE_ROOM * clock.sent
+            need = REFERENCE_ROOM * clock.sent + REFERENCE_SLACK
+            room = not clock.sent or device.room_above_peak(self._fwd_dev) >= need
             if not room and not clock.deferred:
                 warnings.warn(
-                    f"ssdtrain: the host tier took {clock.sent / 2**30:.2f} GiB off the last step's peak, and "
-                    f"{self._fwd_dev} has no room to measure a forward without it; the tier copies every save it "
-                    "can until it has (a slower step than a learned copy budget, not out of memory)",
+                    f"ssdtrain: the host tier took {clock.sent / 2**30:.2f} GiB off the last step's "
+                    f"peak, and {self._fwd_dev} has no room to measure a forward without it; the tier copies every "
+                    "save it can until it has (a slower step than a learned copy budget, not out of memory)",
                     RuntimeWarning, stacklevel=4)
         clock.begin(room)
         if self._fwd_dev is not None:
@@ -649,9 +650,10 @@ class Offloader:
 
 
 REFERENCE_ROOM = 1.25
-"""The room above the last peak, in multiples of what the tier took off it, that a forward
-measured with no copy needs (Note [the reference forward needs room]): the margin is for a
-fragmented allocator."""
+REFERENCE_SLACK = 256 << 20
+"""The room above the last peak that a forward measured with no copy needs (Note [the reference
+forward needs room]): ``REFERENCE_ROOM`` times what left the device in the last forward, plus
+``REFERENCE_SLACK`` bytes; both margins are for a fragmented allocator."""
 
 
 def _clock() -> float:

@@ -218,7 +218,12 @@ class HostPool:
 # every save due before forward's end, by due positions from the last forward (longer for its
 # copies: a ratio too low, due too early, so the compute stream may wait for a copy: slower, but
 # alive). Seen on an H200 (2026-11-27): at recompute+offload's longest sequence under a 6 GiB cap,
-# the step measured kept every block input on the device.
+# the step measured kept every block input on the device. The room asked for is ``REFERENCE_ROOM``
+# times what the clock let leave in the last forward (``sent``: to the tier, or to the drive where
+# the pool had no room) plus ``REFERENCE_SLACK`` for the caching allocator's fragmentation: on the
+# same H200 and cap (a later call), recompute+offload ran out of memory at 40960 tokens, where
+# recompute trains, asking 512 MiB with 169-228 MiB of the cap reserved but unallocated. Which of
+# its steps did is not known (no GPU since): this margin is a guess at the cause, not a proof.
 class CopyClock:
     """Positions in a forward, in bytes produced (see the Note); what a forward may copy."""
 

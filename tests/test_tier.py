@@ -323,8 +323,11 @@ def test_the_reference_forward_waits_for_room(off_dir, tier_on_cpu, monkeypatch)
         produced = clock.pos
         assert clock.ratio == pytest.approx(produced / 0.01 / 1e9) and clock.total == produced
         assert clock.reference is None
-        room["bytes"] = int(offloader_mod.REFERENCE_ROOM * clock.sent)  # room now: measured, no copy
-        assert forward() == 0 and clock.limit == 0 and clock.deferred == 2
+        room["bytes"] = int(offloader_mod.REFERENCE_ROOM * clock.sent)  # short of the allocator's slack
+        assert forward() > 0 and clock.limit is None and clock.deferred == 3
+        room["bytes"] = int(offloader_mod.REFERENCE_ROOM * clock.sent + offloader_mod.REFERENCE_SLACK)
+        # room now: measured, no copy
+        assert forward() == 0 and clock.limit == 0 and clock.deferred == 3
         assert forward() > 0 and clock.reference == 0.01  # learned
         assert_same(base, step(model, loss_fn, off))
     finally:
