@@ -64,3 +64,25 @@ def test_a_probe_that_does_not_fit_the_budget_says_so():
     r = maxseq.probe_in_child({"model": dataclasses.asdict(cfg), "mode": "baseline", "device": "cpu",
                                "dtype": "float32", "batch": 1, "budget": 1, "path": None})
     assert r["fits"] is False and r["peak_bytes"] > 1 and r["step_s"] > 0  # measured, over a 1-byte budget
+
+
+def test_a_search_cut_off_keeps_its_probes(monkeypatch):
+    """``partial`` gets every probe so far after each one (``--json`` is rewritten with them), so a
+    search stopped by a time limit still says what it found (the H200's of 2026-11-27 did not)."""
+    seen = []
+
+    def fake_child(spec):
+        seq = spec["model"]["seq"]
+        if len(seen) == 4:
+            raise KeyboardInterrupt  # the time limit
+        return {"seq": seq, "fits": seq <= 256, "peak_bytes": seq, "step_s": 0.1, "oom": seq > 256, "error": None}
+    monkeypatch.setattr(maxseq, "probe_in_child", fake_child)
+    args = maxseq.MaxSeqArgs(model=maxseq.cpu_model(), modes=("recompute",), start=64,
+                             partial=lambda r: seen.append(json.loads(json.dumps(r))))
+    try:
+        maxseq.run_max_seq(args)
+    except KeyboardInterrupt:
+        pass
+    assert [len(r["probes"]) for r in seen] == [1, 2, 3, 4] and all(r["partial"] for r in seen)
+    assert [(p["mode"], p["seq"], p["fits"]) for p in seen[-1]["probes"]] == [
+        ("recompute", 64, True), ("recompute", 128, True), ("recompute", 256, True), ("recompute", 512, False)]

@@ -150,7 +150,8 @@ def _max_seq(ns: argparse.Namespace) -> int:
     progress = None if ns.no_progress else (lambda text: print("  " + text, file=sys.stderr, flush=True))
     args = MaxSeqArgs(model=model, device=str(dev), dtype=ns.dtype or default_dtype(dev), batch=ns.batch or 1,
                       modes=modes, budget_bytes=ns.memory_budget if gpu else (ns.memory_budget or DEFAULT_BUDGET),
-                      start=start, limit=ns.max_seq_limit, path=ns.path, progress=progress)
+                      start=start, limit=ns.max_seq_limit, path=ns.path, progress=progress,
+                      partial=None if not ns.json else lambda r: _outputs(ns, r, None, ""))
     from ssdtrain.bench.maxseq import run_max_seq
 
     result = run_max_seq(args)
@@ -160,12 +161,12 @@ def _max_seq(ns: argparse.Namespace) -> int:
 
 
 def _outputs(ns: argparse.Namespace, data: dict, draw, what: str) -> None:
-    """``--json`` and ``--plot`` of a run: ``data`` as JSON, ``draw()`` the plot."""
+    """``--json`` and ``--plot`` of a run: ``data`` as JSON, ``draw()`` the plot (``None``: none yet)."""
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump(data, f, indent=2, default=str)
             f.write("\n")
-    if ns.plot:
+    if ns.plot and draw is not None:
         draw()
         print(f"{what}: {ns.plot}")
 
