@@ -86,3 +86,23 @@ def test_a_search_cut_off_keeps_its_probes(monkeypatch):
     assert [len(r["probes"]) for r in seen] == [1, 2, 3, 4] and all(r["partial"] for r in seen)
     assert [(p["mode"], p["seq"], p["fits"]) for p in seen[-1]["probes"]] == [
         ("recompute", 64, True), ("recompute", 128, True), ("recompute", 256, True), ("recompute", 512, False)]
+
+
+def test_chosen_probes_report_fit_and_misfit(tmp_path):
+    """``benchmarks/maxseq_probes.py``: each MODE:SEQ a probe as the search runs it, written to
+    --json after each; a length over the budget is reported as not fitting."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "probes.json"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "maxseq_probes.py"
+    proc = subprocess.run([sys.executable, str(script), "--layers", "2", "--hidden", "32", "--heads", "2",
+                           "--vocab", "64", "--memory-budget", "20MiB", "--path", str(tmp_path / "nvme"),
+                           "--probe", "recompute+offload:64", "--probe", "recompute:16384", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    probes = json.loads(out.read_text())["probes"]
+    assert [(p["mode"], p["seq"], p["fits"]) for p in probes] == [
+        ("recompute+offload", 64, True), ("recompute", 16384, False)]
+    assert probes[1]["peak_bytes"] > 20 << 20 and "does not fit" in proc.stdout
