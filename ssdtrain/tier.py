@@ -21,6 +21,7 @@ import ctypes
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -112,8 +113,9 @@ class HostPool:
 
     :meth:`allocate` never pins: when no slab has room it asks the pin thread for another slab
     (while the capacity allows) and returns ``None`` (the save goes to the drives or stays), so
-    the training thread never waits for pinning. A slab is also pinned ahead of need once
-    ``GROW_AT`` of the pinned bytes are in use. ``pin`` makes a slab (a seam for tests).
+    the training thread waits for no pinning but the first slab's (:meth:`pin_first`). A slab is
+    also pinned ahead of need once ``GROW_AT`` of the pinned bytes are in use. ``pin`` makes a
+    slab (a seam for tests).
     """
 
     def __init__(self, capacity: int, *, pin: Callable[[int], torch.Tensor] = device.pinned_empty,
@@ -174,6 +176,14 @@ class HostPool:
             self._slabs.append((mem, ExtentAllocator(4096)))
             self.pinned += size
             self._pinning = 0
+
+    def pin_first(self) -> None:
+        """Pins the first slab on the calling thread, if none is pinned or being pinned (Note [the
+        first step's saves find the pool pinned])."""
+        with self._lock:
+            size = 0 if self._slabs else self._grow_size(0)
+        if size:
+            self._add_slab(size)
 
     def wait_pinned(self) -> None:
         """Blocks until the slab being pinned (if any) is in (tests, warm-up)."""
@@ -355,10 +365,23 @@ class TieredBackend(Backend):
         cuda = dev.type == "cuda"
         # The tests' way through the tier (CPU tensors): plain host memory, at once.
         self.pool = HostPool(self._capacity, pin=device.pinned_empty if cuda else _host_empty, background=cuda)
-        self.pool.allocate(0)  # pins the first slab (in the background on a GPU)
-        if cuda:
-            self._copy.submit(self._measure_rate, dev)  # once the first slab is in
+        if cuda:  # Note [the first step's saves find the pool pinned]
+            start = time.perf_counter()
+            self.pool.pin_first()
+            log.info("ssdtrain: the host tier pinned its first %d MiB in %.2f s (once)", self.pool.pinned >> 20,
+                     time.perf_counter() - start)
+            self._copy.submit(self._measure_rate, dev)
+        else:
+            self.pool.allocate(0)  # pins the first slab
 
+    # Note [the first step's saves find the pool pinned]: the first slab is pinned on the training
+    # thread at the first CUDA save (about 0.35 s for 512 MiB on an H100's host, once per process),
+    # not in the background. Pinned in the background, it came in after the first step's forward at
+    # a long sequence, so that step's saves went to the drive or stayed: its peak was the peak
+    # without the tier, and a user at a length only the tier makes fit ran out of memory on step 1
+    # (a likely cause of recompute+offload failing at 40960 tokens on an H200 under a 6 GiB cap,
+    # 2026-11-27, where it trained 65536, whose longer forward let the pinning finish: not proven).
+    # Later slabs are pinned in the background as the pool fills (``GROW_AT``).
     def _measure_rate(self, dev: torch.device) -> None:
         self.pool.wait_pinned()
         mem = self.pool.allocate(64 << 20)

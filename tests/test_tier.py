@@ -332,3 +332,35 @@ def test_the_reference_forward_waits_for_room(off_dir, tier_on_cpu, monkeypatch)
         assert_same(base, step(model, loss_fn, off))
     finally:
         off.close()
+
+
+def test_the_first_cuda_save_finds_the_first_slab_pinned(monkeypatch):
+    """Note [the first step's saves find the pool pinned]: at the first CUDA save the first slab
+    is pinned on the calling thread, so that save already goes to the pool (pinned in the
+    background, the first step's saves went to the drive); later slabs on the pin thread."""
+    import threading
+
+    from ssdtrain import tier as tier_mod
+
+    threads = []
+
+    def pin(n):
+        threads.append(threading.current_thread().name)
+        return torch.empty(n, dtype=torch.uint8)
+    monkeypatch.setattr(tier_mod.device, "pinned_empty", pin)
+    monkeypatch.setattr(tier_mod.TieredBackend, "_measure_rate", lambda self, dev: None)  # no device to time
+
+    class Drive:
+        name = "drive"
+
+        def close(self):
+            pass
+    tier = tier_mod.TieredBackend(Drive(), 8 * MiB)
+    try:
+        first = tier.allocate_host(MiB, torch.device("cuda", 0))
+        assert first is not None and tier.spilled == 0
+        assert threads == [threading.current_thread().name] and tier.pool.pinned == 8 * MiB
+        tier.pool.pin_first()  # once only
+        assert len(threads) == 1
+    finally:
+        tier.close()
