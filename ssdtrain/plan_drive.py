@@ -24,11 +24,10 @@ dimensions, the achieved compute rate and the drive, with the same rules the off
   starts.
 * **Writes** (Note [the last save waits]): each save of ``min_bytes`` or more is held until the
   next one of at least a quarter of its size comes (a smaller one is queued at once instead),
-  and the one still held at the end is never written; the pack that queues a save hands it
-  over at once if it may (so the last save still sends the one before it). Queued
-  saves go to the drive in pack order, at most
-  ``handoff_bytes`` handed over at once (one more when none is in flight); the drive writes them
-  one after another at ``B_write``. Note [write what leaves before the peak] (``peak.py``): a
+  and the one still held at the end is never written; the pack that queues a save hands it over
+  at once if it may (so the last save still sends the one before it). Queued saves go to the
+  drive in pack order, at most ``handoff_bytes`` handed over at once (one more when none is in
+  flight); the drive writes them one after another at ``B_write``. Note [write what leaves before the peak] (``peak.py``): a
   write that would end after forward ends is not made (its save stays in memory; a later,
   smaller one may still fit); what was written frees its memory before the peak, which falls by
   that much (``free_bytes``), of at most ``min(B_write * T_forward, saved)`` (``possible_bytes``).
@@ -41,13 +40,12 @@ dimensions, the achieved compute rate and the drive, with the same rules the off
   go (backward needs them last) - the longest prefix whose reads all come in time.
 * Writes and reads are separate directions of the drive (as the bench's throttles model them).
 * **The host tier** (``--host-gbps``, ``--host-gib``; Note [copy what leaves before the peak] in
-  ``tier.py``): in front of the drive, queued saves are copied to pinned host memory one after
+  ``copy_clock.py``): in front of the drive, queued saves are copied to pinned host memory one after
   another at ``B_host``, each no sooner than it is queued; a copy that would end after forward
   ends is not made, and the rest of that forward stays in memory (the copy clock closes); a save
   the tier has no room for (``host_gib``, shared by the micro-batches in flight) goes to the
   drive, under the drive's rules. What was copied is freed before the peak and read back at
   ``B_host`` from backward's start (no read budget: the tier has none).
-
 * **1F1B** (``stages > 1``; the first stage, in steady state): a micro-batch's backward comes
   ``stages - 1`` slots after its forward, each slot one forward and one backward. The drive
   writes for every micro-batch in flight, so each gets one slot's share of it: its writes run

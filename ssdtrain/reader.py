@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ssdtrain import device
+from ssdtrain import device, host_copies
 from ssdtrain.cache import Cache, Entry, Ref, rebuild
 from ssdtrain.schedule import ReadWindow, Scope, WriteBudget
 from ssdtrain.store import Backend, StorageError
@@ -72,7 +72,7 @@ class Reader:
             back = getattr(e.extent, "back", None)  # the host tier's copy back, queued on a side stream
             self._cache.unload(e)
         if back is not None:
-            device.order_current(back)
+            host_copies.order_current(back)
         return out
 
     def wait(self, e: Entry, fut: Any) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ssdtrain
-import ssdtrain.offloader as offloader_module
+import ssdtrain.hooks as hooks_module
 from ssdtrain.peak import DriveMeter, PeakClock, possible_bytes
 
 from _clock_store import ClockStore
@@ -39,7 +39,7 @@ class _Save(torch.autograd.Function):
 @pytest.fixture
 def clock(monkeypatch):
     now = [100.0]
-    monkeypatch.setattr(offloader_module, "_now", lambda: now[0])
+    monkeypatch.setattr(hooks_module, "_now", lambda: now[0])
     return now
 
 

@@ -11,7 +11,8 @@ import ssdtrain
 from ssdtrain import offloader as offloader_mod
 from ssdtrain.bench.models import GPT, GPTConfig
 from ssdtrain.config import OffloadConfig
-from ssdtrain.tier import COPY_SHARE, DUE_MARGIN, CopyClock, HostPool, auto_host_bytes
+from ssdtrain.copy_clock import COPY_SHARE, DUE_MARGIN, CopyClock
+from ssdtrain.tier import HostPool, auto_host_bytes
 
 from _equiv import assert_same, step
 
@@ -303,8 +304,8 @@ def test_the_reference_forward_waits_for_room(off_dir, tier_on_cpu, monkeypatch)
         def seconds(self):
             return 0.01
     room = {"bytes": 0}
-    monkeypatch.setattr(offloader_mod.device, "GpuTimer", Timer)
-    monkeypatch.setattr(offloader_mod.device, "room_above_peak", lambda dev: room["bytes"])
+    monkeypatch.setattr(offloader_mod.host_copies, "GpuTimer", Timer)
+    monkeypatch.setattr(offloader_mod.host_copies, "room_above_peak", lambda dev: room["bytes"])
     model, loss_fn, base, off, steps = _tier_setup(off_dir)
     clock = off._tier.clock
 

@@ -126,7 +126,7 @@ def test_no_step_keeps_everything_where_there_is_no_room(tmp_path, sleep, monkey
     """Note [the reference forward needs room]: with no room above the last peak for what the
     tier took off it, no forward is measured with no copy: every step's peak stays low (the tier
     copies what it can, due by the forward before), a warning says so once, gradients exact."""
-    monkeypatch.setattr(ssdtrain.device, "room_above_peak", lambda dev: 0)
+    monkeypatch.setattr(ssdtrain.host_copies, "room_above_peak", lambda dev: 0)
     layers, x = _slow_layers()
     base_peak, want = _slow_step(layers, x, None, sleep)
     off = ssdtrain.Offloader(layers, path=str(tmp_path), host_bytes="2GiB")
@@ -150,18 +150,18 @@ def test_no_step_keeps_everything_where_there_is_no_room(tmp_path, sleep, monkey
 
 
 def test_room_above_peak_follows_the_peak_and_the_fraction():
-    from ssdtrain import device
+    from ssdtrain import host_copies
 
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    before = device.room_above_peak(CUDA)
+    before = host_copies.room_above_peak(CUDA)
     t = torch.empty(256 << 20, dtype=torch.uint8, device=CUDA)
-    after = device.room_above_peak(CUDA)
+    after = host_copies.room_above_peak(CUDA)
     assert (200 << 20) <= before - after <= (300 << 20), (before, after)
     total = torch.cuda.get_device_properties(CUDA).total_memory
     try:
         torch.cuda.set_per_process_memory_fraction((torch.cuda.max_memory_allocated() + (1 << 30)) / total, 0)
-        assert device.room_above_peak(CUDA) <= (1 << 30) + (1 << 20)
+        assert host_copies.room_above_peak(CUDA) <= (1 << 30) + (1 << 20)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, 0)  # an index: torch 2.11 refuses 'cuda'
     del t

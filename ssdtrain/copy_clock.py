@@ -1,0 +1,129 @@
+"""What each forward may copy to the host tier before its peak, and when each copy is due.
+
+The :class:`CopyClock` is arithmetic on bytes and seconds, with no device: the engine tells it
+each save's size and each forward's device time, and asks it whether a save may be copied and at
+which forward position that copy is done. Its rules are the two notes below.
+"""
+
+from __future__ import annotations
+
+__all__ = ["COPY_SHARE", "DUE_MARGIN", "CopyClock"]
+
+COPY_SHARE = 0.9
+"""Of what the copy engine can move during a forward, what a forward is given (Note [copy what
+leaves before the peak])."""
+DUE_MARGIN = 1.1
+"""A copy is due when forward has produced this much more than the copy's predicted finish."""
+
+
+# Note [copy what leaves before the peak]
+# The step's peak is at the end of forward (with checkpointing, at backward's start), and a copy
+# lowers it only if the save leaves device memory before then. Forward on an H100 makes 200-330
+# GB/s of activations against 53 GB/s of copy to the host, so each forward is given what the copy
+# engine moves in the last forward's device time (``COPY_SHARE`` of ``rate x seconds``), to the
+# earliest saves (backward needs them last); the rest stays on the device, uncopied. Each copy is
+# *due* at the forward position (bytes produced so far: the clock of the device's progress that
+# the host can see) where it is predicted done: copies run one after another in pack order, each
+# no sooner than its save was produced, so with ``ratio`` = production rate / copy rate a copy of
+# ``n`` bytes finishes at ``max(previous finish, its save's position) + n x ratio``. A copy is
+# released (stream-ordered) once due, or once the device says it is done. Both rates are measured:
+# the copy rate once per device, forward's time and production rate on a forward that copies
+# nothing (the first once the copy rate is known: its saves stay on the device), since a forward's
+# own copies lengthen it (``CopyClock.learn``).
+#
+# Note [the reference forward needs room]: that forward keeps on the device what the tier would
+# have taken, so its peak is the step's peak without the tier. Where the last step's peak plus
+# those bytes does not fit in the device's memory (a user at the longest sequence that trains only
+# with offloading), it would run out of memory: there the measurement waits, and forwards copy
+# every save due before forward's end, by due positions from the last forward (longer for its
+# copies: a ratio too low, due too early, so the compute stream may wait for a copy: slower, but
+# alive). Seen on an H200 (2026-11-27): at recompute+offload's longest sequence under a 6 GiB cap,
+# the step measured kept every block input on the device. The room asked for is ``REFERENCE_ROOM``
+# times what the clock let leave in the last forward (``sent``: to the tier, or to the drive where
+# the pool had no room) plus ``REFERENCE_SLACK`` for the caching allocator's fragmentation: on the
+# same H200 and cap (a later call), recompute+offload ran out of memory at 40960 tokens, where
+# recompute trains, asking 512 MiB with 169-228 MiB of the cap reserved but unallocated. Which of
+# its steps did is not known (no GPU since): this margin is a guess at the cause, not a proof.
+class CopyClock:
+    """Positions in a forward, in bytes produced (see the Note); what a forward may copy."""
+
+    def __init__(self) -> None:
+        self.rate: float | None = None   # device-to-host bytes per second
+        self.ratio: float | None = None  # production rate / copy rate, from the last forward
+        self.limit: int | None = None    # bytes a forward may copy; None: not learned yet
+        self.pos = 0
+        self.tail = 0.0
+        self.sent = 0
+        self.closed = False  # this forward was refused a copy: the rest of it is kept
+        self.reference: float | None = None  # device seconds of a forward that copied nothing
+        self.total = 0  # bytes that forward produced: where the peak is, in forward positions
+        self.deferred = 0  # forwards not measured for want of room (Note [the reference forward needs room])
+
+    def wants_reference(self) -> bool:
+        """Whether the next forward is to be measured, copying nothing."""
+        return self.reference is None and self.rate is not None
+
+    def begin(self, room: bool = True) -> None:
+        """A forward begins; with the copy rate known and no reference yet, it copies nothing
+        (it is measured for the reference), unless the device has no ``room`` for what the last
+        forward copied: then it copies as before the rate was known."""
+        last = self.sent
+        self.pos, self.tail, self.sent, self.closed = 0, 0.0, 0, False
+        if self.wants_reference():
+            if room or not last:
+                self.limit = 0
+            else:
+                self.limit = None
+                self.deferred += 1
+
+    def produced(self, nbytes: int) -> None:
+        """A save of ``nbytes`` (offloaded or not) was made."""
+        self.pos += nbytes
+
+    def allows(self, nbytes: int) -> bool:
+        """Whether this forward may copy ``nbytes`` more (and counts them if so): within the
+        limit, and due before forward's end (a copy done after the peak frees nothing that
+        matters; its bytes would only come back again)."""
+        if self.limit is not None and self.sent + nbytes > self.limit:
+            self.closed = True
+            return False
+        if self.ratio is not None and max(self.tail, self.pos) + nbytes * self.ratio * DUE_MARGIN > self.total:
+            self.closed = True
+            return False
+        self.sent += nbytes
+        return True
+
+    def schedule(self, nbytes: int) -> float:
+        """The position at which a copy of ``nbytes`` queued now is due (``inf``: not known)."""
+        if self.ratio is None:
+            return float("inf")
+        self.tail = max(self.tail, self.pos) + nbytes * self.ratio * DUE_MARGIN
+        return self.tail
+
+    def is_due(self, due: float) -> bool:
+        return self.pos >= due
+
+    def learn(self, seconds: float | None, produced: int) -> None:
+        """A forward that produced ``produced`` bytes took ``seconds`` on the device.
+
+        Only a forward that copied nothing is learned from (the first after the copy rate is
+        known), and then a shorter one: a forward's own copies lengthen it (the host's work for
+        each, a compute stream that waited), and learning from that would give the next forwards
+        more to copy, so longer ones: on an H100 the limit grew to copying everything (2.5 GiB a
+        step where 1.2 moved before the peak, and the step x2.1)."""
+        if not seconds or seconds <= 0 or not self.rate or produced <= 0:
+            return
+        if self.reference is None:
+            if self.limit != 0:  # it copied: not a measure of forward alone
+                if self.deferred and self.limit is None:
+                    # Note [the reference forward needs room]: due positions from it meanwhile, so
+                    # that copies are released in stream order (released once seen done, they free
+                    # nothing before the peak when the host runs ahead of the device).
+                    self.ratio, self.total = produced / seconds / self.rate, produced
+                return
+            self.reference = seconds
+            self.total = produced
+        if seconds <= self.reference:
+            self.reference, self.total = seconds, produced
+        self.ratio = produced / self.reference / self.rate
+        self.limit = int(COPY_SHARE * self.rate * self.reference)

@@ -1,0 +1,314 @@
+"""What the saved-tensor hooks do with each save: pack, unpack, and the safe points between them.
+
+:class:`SaveHooks` is the half of :class:`~ssdtrain.offloader.Offloader` that runs inside a
+step, on the training thread: pack asks ``keep.py`` what stays as it is, the cache which entry a
+save belongs to, and hands new entries to the write queue (or keeps them, and says why); unpack
+hands back what is still in memory, or waits for the read that the read-ahead window issued.
+The state it works on (the cache, the write queue, the reader, the scopes, the counters, the
+clocks, one lock) is made and owned by the Offloader, which also holds the public surface.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+import torch
+
+from ssdtrain import device, keep
+from ssdtrain.cache import Entry, Parts, Ref, Small, State, byte_span, entry_span, rebuild
+from ssdtrain.peak import possible_bytes
+from ssdtrain.schedule import Scope
+from ssdtrain.store import StorageError
+from ssdtrain.store._mem import profiled
+
+__all__ = ["SaveHooks"]
+
+_now = time.perf_counter  # a seam for tests (the Offloader reads the time through it too)
+
+
+class SaveHooks:
+    """Pack, unpack and safe points of an :class:`~ssdtrain.offloader.Offloader` (its base)."""
+
+    # -- pack ---------------------------------------------------------------------------------
+    def _pack(self, t: torch.Tensor) -> Any:
+        if keep.as_is(t, self._pinned, self._keep_depth[0] > 0):
+            return keep.alias(t)
+        if type(t) is not torch.Tensor:
+            return self._pack_parts(t)
+        # Note [pack is the training thread's time]: every call below is paid once per save, on
+        # the thread that launches the model's kernels (about 325 saves a step at the bench's GPU
+        # shape; 37 us a save doubled an H200's host forward, 2026-11-27): each value is read
+        # once, no context manager is entered unless a profiler runs. benchmarks/pack_cost.py counts the calls and times them.
+        self._check_open()
+        storage = t.untyped_storage()
+        nbytes = t.nbytes
+        storage_bytes = storage.nbytes()
+        if storage_bytes < self._small_bytes:  # Note [a small save skips the cache]
+            scope = self._step_scope()
+            with self._lock:
+                if self._peak.active:
+                    self._peak.produced(nbytes, _now())
+                return self._cache.small.add(t, storage, scope.stats_id)
+        self._safe_point(raise_errors=True)
+        if torch.autograd.profiler._is_profiler_enabled:
+            with profiled("ssdtrain.pack"):
+                return self._pack_entry(t, storage, nbytes, storage_bytes)
+        return self._pack_entry(t, storage, nbytes, storage_bytes)
+
+    def _pack_entry(self, t: torch.Tensor, storage: Any, nbytes: int, storage_bytes: int) -> Any:
+        """Pack of a save that is not small: shared, kept at once, or a new entry."""
+        scope = self._step_scope()
+        view_lo, view_hi = byte_span(t)
+        lo, hi = entry_span(view_lo, view_hi, storage_bytes)
+        layer = self._layer_stack[-1] if self._layer_stack else None
+        with self._lock:
+            if self._peak.active:
+                self._peak.produced(nbytes, _now())
+            entry = self._cache.index.find(t, view_lo, view_hi)
+            small = None
+            if entry is None:  # Note [a save the budget keeps skips the cache]
+                why = self._kept_at_once(t, hi - lo)
+                if why is not None:
+                    if (self._tier is not None and t.device.type in self._tier_devices
+                            and storage._cdata not in self._cache.small.rows):
+                        self._tier.clock.produced(hi - lo)  # Note [the copy clock counts every save]
+                    small = self._cache.small.add(t, storage, scope.stats_id, why)
+                    self._writer.passed(scope, hi - lo)
+            if small is None:
+                self._counters.add(scope.stats_id, "saved_bytes", nbytes)
+                fresh = entry is None
+                try:
+                    if fresh:
+                        entry = self._new_entry(t, lo, hi, scope, layer)
+                    ref = Ref(entry, t, self._graveyard)
+                except BaseException:
+                    if fresh and entry is not None and entry.refs == 0:  # interrupted: nothing holds it
+                        self._drop_ref(entry, -1, None)
+                    raise
+        if self._writer.pending:
+            self._writer.pump()
+        return ref if small is None else small
+
+    def _pack_parts(self, t: torch.Tensor) -> Any:
+        """Note [a DTensor is saved by its parts]: each tensor part packed as a save of its own."""
+        parts, ctx = keep.parts(t)
+        packed = {name: self._pack(p) for name, p in parts.items() if isinstance(p, torch.Tensor)}
+        if all(isinstance(ref, torch.Tensor) for ref in packed.values()):
+            return keep.alias(t)  # every part stays in memory: so does the whole
+        others = {n: p for n, p in parts.items() if n not in packed}
+        return Parts(t, ctx, packed, others, keep.version_guard(t, packed))
+
+    def _new_entry(self, t: torch.Tensor, lo: int, hi: int, scope: Scope, layer: int | None) -> Entry:
+        """Under the lock: a new entry, kept or queued for writing (Note [write only what comes
+        back in time] for the budget, Note [write what leaves before the peak] for the time)."""
+        e = self._cache.new(next(self._ids), t, lo, hi, scope, layer)
+        scope.live_entries += 1
+        n = e.nbytes
+        tier = self._tier is not None and e.device.type in self._tier_devices
+        if tier:
+            self._tier.clock.produced(n)
+            if self._fwd_dev is None and e.device.type == "cuda":
+                self._fwd_dev = e.device  # forwards are timed on it from the next one on
+        late = not tier and not self._peak.fits(n, self._writer.queued_bytes, _now())
+        choice = self._policy.decide(n, layer, self._writer.has_room(n), budget=self._tier.clock if tier else None,
+                                     late=late)
+        if choice == "wait":
+            waited = self._writer.wait_for_room(n, self._scopes.by_id.values())
+            for field, amount in (("backpressure_waits", 1), ("backpressure_stall_seconds", waited),
+                                  ("stall_seconds", waited)):
+                self._counters.add(scope.stats_id, field, amount)
+        elif choice != "write":
+            self._counters.add(scope.stats_id, "kept_bytes", n)
+            if choice == "full":
+                self._counters.add(scope.stats_id, "backpressure_keeps", 1)
+            elif choice == "budget":
+                self._counters.add(scope.stats_id, "budget_kept_bytes", n)
+            elif choice == "late":
+                self._counters.add(scope.stats_id, "peak_kept_bytes", n)
+            self._writer.passed(scope, n)  # pumped by pack's caller if so: the entry is not queued
+            return e
+        extent = self._tier.allocate_host(n, e.device) if tier else None
+        if extent is not None:
+            extent.due = self._tier.clock.schedule(n)
+        elif tier and self.config.when_full == "keep" and not self._budget.allows(n):
+            self._counters.add(scope.stats_id, "kept_bytes", n)
+            self._counters.add(scope.stats_id, "budget_kept_bytes", n)
+            return e
+        try:
+            if extent is None:
+                extent = self._backend.allocate(n)
+        except StorageError as err:
+            self._cache.keep_after_error(e)
+            self._failures.failed(err)
+            return e
+        self._cache.queue(e, extent)
+        e.fence = device.producer_fence(t)
+        scope.add(e)
+        self._writer.hold(scope, e)
+        return e
+
+    # -- safe points -----------------------------------------------------------------------------
+    def _safe_point(self, *, raise_errors: bool) -> None:
+        if (self._graveyard or self._writer.completed or self._cache.late or self._cache.small.dead
+                or self._cache.lagging):
+            self._drain()
+        self._failures.surface(raise_errors=raise_errors)
+
+    def _drain(self, *, reconcile: bool = False) -> None:
+        """Settles dead references and finished writes, on the thread that runs compute.
+
+        Note [release at a safe point]: a write that finished on an I/O thread may have raced an
+        in-place op still running on the compute thread (its version bump comes at the end of
+        the op). Here, between ops of that thread, every such op has completed, so one more version
+        check is exact; only then is the in-memory copy dropped.
+        """
+        with self._lock:
+            self._cache.small.settle()
+            self._cache.free_late()
+            while self._graveyard:
+                # Given back before it leaves the graveyard: an interrupt in between leaves it
+                # there, and giving it back again does nothing (Note [an interrupt never
+                # unbalances a count]).
+                e, gen, weak = self._graveyard[0]
+                self._drop_ref(e, gen, weak)
+                self._graveyard.popleft()
+            for e, weak in self._cache.lost_refs() if reconcile else ():  # Note [a lost __del__ is found again]
+                self._drop_ref(e, -1, weak)
+            self._cache.settle_written(self._writer.completed, self._copy_due if self._tier is not None else None)
+
+    # Note [a save the budget keeps skips the cache]
+    # Once a forward's budget refused a save (the drive's, Note [write only what comes back in
+    # time]; the host tier's, Note [copy what leaves before the peak]), the rest of that forward
+    # is kept: its latest saves are what backward needs first, and a smaller save that would still
+    # fit must not be written while a larger one before it stays. A save known to stay needs no
+    # entry: it is held as a small save is (Note [a small save skips the cache]), at a fraction of
+    # the training thread's cost; on a GPU most of a forward's saves are such (the drive took 1%
+    # of them on an H100, 2026-11-24; the copy engine about 15%), and the host has about 15 us per
+    # save of slack there. A storage that already has an entry keeps using it.
+    # Note [the copy clock counts every save]
+    # The copy clock's positions are the bytes a forward produced, and the forward measured for
+    # its reference copies nothing: its budget closes at the first save, and every later save is
+    # kept at once, with no entry. Those saves are counted too; counting entries alone gave that
+    # forward a total of one save, and every copy after was refused as due after forward's end
+    # (the H200, 2026-11-27: the tier copied nothing, offload lowered no peak).
+    def _kept_at_once(self, t: torch.Tensor, nbytes: int) -> str | None:
+        """Under the lock: whether a new save of ``t`` (``nbytes``) will be kept whatever its entry
+        would say, and why (the counter its bytes add to): its forward closed its budget, or its
+        write would end after the peak (Note [write what leaves before the peak])."""
+        if self.config.when_full != "keep":
+            return None
+        if self._tier is not None and t.device.type in self._tier_devices:
+            return "budget_kept_bytes" if self._tier.clock.closed else None
+        if self._budget.current.bound:
+            return "budget_kept_bytes"
+        if nbytes >= self.config.min_bytes and not self._peak.fits(nbytes, self._writer.queued_bytes, _now()):
+            return "peak_kept_bytes"
+        return None
+
+    def _drop_ref(self, e: Entry, gen: int, weak: Any) -> None:
+        """A Ref of ``e`` died (``weak`` None: only ``e``'s release is owed); the last releases it."""
+        if not self._cache.give_back(e, gen, weak):
+            return
+        if not e.scope_dropped:
+            e.scope_dropped = True  # first: cut short here, the scope outlives it (never counted twice)
+            e.scope.drop(e)
+        self._scopes.forget_if_empty(e.scope)
+        if self._cache.release(e) is State.QUEUED:
+            self._writer.forget(e)
+
+    # -- unpack -------------------------------------------------------------------------------------
+    def _unpack(self, ref: Any) -> torch.Tensor:
+        if isinstance(ref, torch.Tensor):
+            return ref
+        if type(ref) is Small:
+            if self._reads_pending and (self._cache.small.dead or self._graveyard):
+                self._read_on()
+            return ref.unpack()
+        if type(ref) is Parts:
+            return ref.rebuild(self._unpack)
+        self._safe_point(raise_errors=False)
+        if torch.autograd.profiler._is_profiler_enabled:  # Note [pack is the training thread's time]
+            with profiled("ssdtrain.unpack"):
+                return self._unpack_entry(ref)
+        return self._unpack_entry(ref)
+
+    def _unpack_entry(self, ref: Ref) -> torch.Tensor:
+        e = ref.entry
+        scope = e.scope
+        with self._lock:
+            if e.state is State.FREED:
+                raise RuntimeError("ssdtrain: a saved tensor was unpacked after it was freed (internal error)")
+            if not scope.backward_started:
+                self._begin_backward(scope)
+            scope.armed = False
+            e.check_version()
+            if e.tainted:
+                raise RuntimeError(e.tainted)
+            if e.data is None and e.consumed_pass == scope.passes and e.loaded is None:
+                # Unpacked again after every save of it was: a new backward pass (retain_graph).
+                scope.passes += 1
+                scope.restart()
+            self._reader.prefetch(scope, e.layer)
+            scope.used(e)
+            if e.data is not None:
+                if e.state is State.QUEUED:
+                    self._writer.cancel(e)
+                self._cache.forwarded(e)
+                return device.for_consumer(rebuild(e.data, ref))
+            if e.error is not None:
+                # A fresh copy each time: a raised exception keeps its traceback, and the
+                # frames in it (holding saved references) must not live on in the entry.
+                raise copy.copy(e.error).with_traceback(None)
+            fut, buf = self._reader.claim(e)
+        return device.for_consumer(self._reader.finish(e, ref, fut, buf))
+
+    # Note [reads go on while kept saves are used]
+    # Read-ahead advances at unpacks (Reader.prefetch), into the memory backward frees. In the
+    # drive-limited regime most saves are kept, held as small saves are (Note [a save the budget
+    # keeps skips the cache]), and their unpacks skip the engine: a backward made of them would
+    # issue no read until it reached the first offloaded save, and then wait for all of them
+    # (measured on the bench model at 100 MB/s: 1.1 s of waits in a 6 s step). So while a scope
+    # in backward has saves left to read, a small save's unpack that finds saves died since
+    # settles them (the memory they free is room for reads) and moves the read-ahead on.
+    def _read_on(self) -> None:
+        self._drain()
+        with self._lock:
+            pending = False
+            for scope in list(self._scopes.by_id.values()):
+                if scope.backward_started and scope.cursor >= 0:
+                    self._reader.prefetch(scope, scope.layer_now)
+                    pending = pending or scope.cursor >= 0
+            self._reads_pending = pending
+
+    def _begin_backward(self, scope: Scope) -> None:
+        """Under the lock. Adaptive keep: writes still queued are exactly what backward needs
+        first, so cancel them and keep those tensors; then start reading the tail."""
+        scope.backward_started = True
+        scope.held = None  # cancelled below with the rest of the queue
+        if self._fwd_timer is not None:
+            self._fwd_timer.stop(self._fwd_dev)
+        now = _now()
+        step = scope.stats_id is None
+        if step and self._peak.active:
+            self._forward_ended(scope, now)
+        scope.restart()
+        for e in scope.queued():
+            self._writer.cancel(e)
+            self._counters.add(scope.stats_id, "adaptive_keep_bytes", e.nbytes)
+        self._window.begin_pass(now, self._counters.total.resident_bytes,
+                                peak=self._counters.forward_peak if step else None)
+        self._reads_pending = True
+        self._reader.prefetch(scope, None)
+
+    def _forward_ended(self, scope: Scope, now: float) -> None:
+        """Under the lock: a step's forward ended; its saves peaked in it (Note [write what leaves
+        before the peak]): what that peak fell by (the bytes it saved, less the most it held at
+        once), against what the drive could have taken."""
+        seconds = self._peak.end(now)
+        t = self._counters.total
+        unique = t.unique_bytes - scope.unique_at_start
+        t.peak_fall_bytes = max(0, unique - (self._counters.forward_peak - scope.resident_at_start))
+        t.peak_bound_bytes = possible_bytes(self._meter.rate, seconds, unique)
+        t.drive_write_bps = self._meter.rate

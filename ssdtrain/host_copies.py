@@ -1,0 +1,194 @@
+"""The host tier's device work: copies to and from pinned host memory, queued a batch at a time
+and released in stream order, and the timings the tier learns from (forward's device time, the
+copy engine's rate, the room above the allocator's peak).
+
+Built on ``device.py`` (fences, side streams); like it, nothing here runs at import or
+initialises CUDA unless a CUDA tensor is offloaded. GPU-ONLY CODE: run by ``tests/gpu`` and
+``ssdtrain selftest``; the CPU suite drives the tier's logic with CPU tensors and stand-ins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ssdtrain.device import Fence, _on, is_cuda, order, side_stream
+
+__all__ = [
+    "StreamRef", "stream_of", "name_stream", "queue_copies", "current_stream", "queue_copy_after", "order_current",
+    "room_above_peak", "GpuTimer", "timed_copies", "copy_rate",
+]
+
+
+# Note [a tier copy is released in stream order]
+# The host tier's copy from device to pinned host memory is queued on an I/O thread's side stream
+# and marked by a blocking event (``landed``). The host runs ahead of the device: at the end of
+# forward on the host, the device may still be computing half of forward, so a copy that the host
+# *sees* done frees memory only after the peak that the allocator counts. Instead the engine
+# releases a save's device memory once its copy is *due* (predicted done by the time the compute
+# stream gets to where the host is now), after making the compute stream wait for ``landed``
+# (:func:`order_current`): the allocator may hand that memory to later work of the compute stream,
+# which the wait orders after the copy. The prediction only decides whether the compute stream
+# would wait; correctness never depends on it.
+# Note [copies are queued a batch at a time]
+# On an H100's host (2026-11-25) ``torch.cuda.current_stream()`` costs 7 us, recording an event 6.5
+# us and queueing a copy on a side stream 38 us, while the model's own forward leaves the host
+# about 15 us per save of slack: a GPU step is host-bound long before the device is. So the host
+# tier's copy thread takes the queued copies a batch at a time: one device and stream context,
+# each copy ordered after its producer's fence (recorded at pack, on the producer's stream), one
+# event after the batch. Letting the copy thread mark the producer's stream itself (``StreamRef``,
+# ``wait_stream`` at batch time) was tried and measured worse: the host runs ahead of the device,
+# so a point marked at batch time lies far beyond the producer, the copy starts late, and the
+# compute stream, released in stream order, waits for it (x1.76 against x1.53 on the bench's GPU
+# shape). ``StreamRef`` remains for streams named where no point is needed.
+class StreamRef:
+    """A stream named by the C tuple of ``torch.cuda.current_stream`` (no Python object, no event)."""
+
+    __slots__ = ("data", "device")
+
+    def __init__(self, data: tuple, dev: torch.device) -> None:
+        self.data, self.device = data, dev
+
+    @property
+    def stream(self) -> torch.cuda.Stream:
+        return stream_of(self.data)
+
+
+_stream_objects: dict[tuple, torch.cuda.Stream] = {}  # by C tuple: Stream objects, made once (a cache)
+
+
+def stream_of(data: tuple) -> torch.cuda.Stream:
+    stream = _stream_objects.get(data)
+    if stream is None:
+        stream = _stream_objects[data] = torch.cuda.Stream(stream_id=data[0], device_index=data[1],
+                                                           device_type=data[2])
+    return stream
+
+
+def name_stream(t: torch.Tensor) -> StreamRef:
+    """The current stream of ``t``'s device, named cheaply (Note [the training thread names a
+    stream, the copy thread marks it])."""
+    return StreamRef(torch._C._cuda_getCurrentStream(t.device.index), t.device)
+
+
+def queue_copies(dsts: list[torch.Tensor], srcs: list[torch.Tensor], readys: list) -> Fence:
+    """Queues ``dst.copy_(src)`` for each pair on this I/O thread's side stream, after its
+    ``ready`` (a :class:`StreamRef`: the side stream waits for that stream's work queued so far,
+    once per stream; a :class:`Fence` or callable: :func:`order`), without waiting for them;
+    returns one :class:`Fence` after all of them. Device destinations are tied to the side stream
+    (``record_stream``): dropped before their copy ran, their blocks wait for it."""
+    gpu = srcs[0].device if is_cuda(srcs[0]) else dsts[0].device
+    with _on(gpu):
+        stream = side_stream(gpu)
+        named = set()
+        for ready in readys:
+            if isinstance(ready, StreamRef):
+                if ready.data not in named:
+                    named.add(ready.data)
+                    stream.wait_stream(stream_of(ready.data))
+            else:
+                order(ready, stream)
+        with torch.cuda.stream(stream):
+            for dst, src in zip(dsts, srcs):
+                dst.copy_(src, non_blocking=True)
+        for dst in dsts:
+            if is_cuda(dst):
+                dst.record_stream(stream)
+        return Fence(stream)
+
+
+def current_stream(dev: torch.device) -> torch.cuda.Stream:
+    """``torch.cuda.current_stream(dev)``, at a third of its cost (a cached object)."""
+    return stream_of(torch._C._cuda_getCurrentStream(dev.index))
+
+
+def queue_copy_after(dst: torch.Tensor, src: torch.Tensor, ready: Callable[[], None] | None) -> Fence:
+    """Queues ``dst.copy_(src)`` on this I/O thread's side stream after ``ready`` (Note [write
+    waits for the producer], Note [reload waits for the allocation point]), without waiting for
+    it; returns a :class:`Fence` after the copy. A device ``dst`` is tied to the side stream
+    (``record_stream``): dropped before the copy ran, its block is not handed out again until then."""
+    gpu = src.device if is_cuda(src) else dst.device
+    with _on(gpu):
+        stream = side_stream(gpu)
+        order(ready, stream)
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+        if is_cuda(dst):
+            dst.record_stream(stream)
+        return Fence(stream)
+
+
+def order_current(fence: Fence, stream: torch.cuda.Stream | None = None) -> None:
+    """``stream`` (default: the current stream of ``fence``'s device) waits for ``fence`` (Note
+    [a tier copy is released in stream order]); called on the training thread."""
+    fence.order(stream if stream is not None else current_stream(fence.device))
+
+
+def room_above_peak(dev: torch.device) -> int:
+    """Bytes this process could still allocate on ``dev`` above its allocator's peak (since the
+    peak's last reset): the device's free memory plus what the caching allocator holds unused,
+    within the per-process fraction if one is set (``set_per_process_memory_fraction``)."""
+    with _on(dev):
+        index = torch.cuda.current_device() if dev.index is None else dev.index  # "cuda" alone
+        free, total = torch.cuda.mem_get_info(index)
+        limit = free + torch.cuda.memory_reserved(index)
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        if fraction is not None:  # it refuses a device with no index (torch 2.11, H200 2026-11-27)
+            limit = min(limit, int(total * fraction(index)))
+        return limit - torch.cuda.max_memory_allocated(index)
+
+
+class GpuTimer:
+    """Device time between two points of the training thread's current stream (a forward's
+    start and end), read later without waiting: timing events, never synchronised."""
+
+    __slots__ = ("start", "end")
+
+    def __init__(self, dev: torch.device) -> None:
+        with _on(dev):
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record(torch.cuda.current_stream(dev))
+        self.end: torch.cuda.Event | None = None
+
+    def stop(self, dev: torch.device) -> None:
+        if self.end is None:
+            with _on(dev):
+                self.end = torch.cuda.Event(enable_timing=True)
+                self.end.record(torch.cuda.current_stream(dev))
+
+    def seconds(self) -> float | None:
+        """The time between the two points, once the device passed both (else ``None``)."""
+        if self.end is None or not self.end.query():
+            return None
+        return self.start.elapsed_time(self.end) / 1e3
+
+
+def timed_copies(copies: list[tuple[torch.cuda.Stream, torch.Tensor, torch.Tensor]], repeats: int = 3) -> float:
+    """Seconds of the slowest of ``copies`` (``(stream, dst, src)``, queued side by side, each on
+    its stream), the best of ``repeats`` rounds, timed with events."""
+    best = float("inf")
+    for _ in range(repeats):
+        marks = []
+        for stream, dst, src in copies:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(stream):
+                a.record(stream)
+                dst.copy_(src, non_blocking=True)
+                b.record(stream)
+            marks.append((a, b))
+        for _, b in marks:
+            b.synchronize()
+        best = min(best, max(a.elapsed_time(b) for a, b in marks) / 1e3)
+    return max(best, 1e-9)
+
+
+def copy_rate(dev: torch.device, pinned: torch.Tensor) -> float:
+    """Bytes per second of a device-to-host copy into ``pinned`` (at least 64 MiB) on this
+    thread's side stream: the best of three, timed with events. Allocates device memory for it."""
+    n = min(pinned.numel(), 64 << 20)
+    with _on(dev):
+        src = torch.empty(n, dtype=torch.uint8, device=dev)
+        seconds = timed_copies([(side_stream(dev), pinned[:n], src)])
+        del src
+    return n / seconds
