@@ -189,6 +189,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--trainable-fraction", type=float, default=1.0,
                     help="share of the parameters trained (PEFT, LoRA: about 0.01); frozen ones have no gradient "
                     "or optimizer state (default 1)")
+    ap.add_argument("--optimizer-bytes", type=float, default=None, metavar="B",
+                    help="optimizer state per trained parameter, bytes (default: fp32 master weights and two fp32 "
+                    "AdamW moments, 16 less the weight and its gradient; AdamW in bf16 with no master copy: 4)")
     ap.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
                     help="model states sharded over the data-parallel ranks: 1 optimizer states, 2 and gradients, "
                     "3 and weights (FSDP full sharding, ZeRO-3); default 0")
@@ -209,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             global_batch=args.global_batch, dtype=args.dtype, flash=not args.no_flash,
             dropout=not args.no_dropout, stages=args.stages, tflops=args.tflops,
             drive_gbps=args.drive_gbps, drive_tb=args.drive_tb, trainable_fraction=args.trainable_fraction,
-            zero=args.zero, loss_chunk=args.loss_chunk, **input_fields(args),
+            optimizer_bytes=args.optimizer_bytes, zero=args.zero, loss_chunk=args.loss_chunk, **input_fields(args),
         )
     except ValueError as exc:
         print(f"ssdtrain plan: {exc}", file=sys.stderr)

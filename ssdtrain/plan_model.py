@@ -84,6 +84,10 @@ class Inputs:
     trainable_fraction: float = 1.0
     """Share of the parameters trained (PEFT, LoRA: about 0.01): frozen ones hold no gradient and
     no optimizer state."""
+    optimizer_bytes: float | None = None
+    """Bytes of optimizer state per trained parameter; ``None``: ``BYTES_PER_PARAM`` less the weight
+    and its gradient (fp32 master weights and two fp32 AdamW moments: 12 in bf16). AdamW with its
+    moments in the weights' dtype and no master copy, as the bench trains: 4 in bf16."""
     zero: int = 0
     """Model states sharded over the data-parallel ranks: 0 none; 1 optimizer states; 2 and
     gradients; 3 and weights (FSDP's full sharding, ZeRO-3)."""
@@ -112,6 +116,8 @@ class Inputs:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)!r}")
         if not 0 < self.trainable_fraction <= 1:
             raise ValueError(f"--trainable-fraction must be in (0, 1], got {self.trainable_fraction!r}")
+        if self.optimizer_bytes is not None and not self.optimizer_bytes >= 0:
+            raise ValueError(f"--optimizer-bytes must be >= 0, got {self.optimizer_bytes!r}")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"--zero must be 0, 1, 2 or 3, got {self.zero!r}")
         for name in ("host_gbps", "host_gib"):
@@ -173,12 +179,13 @@ def _layer_params(h: int) -> int:
 
 def model_state_bytes(inp: Inputs, params: int, dp: int) -> float:
     """Bytes of model states per GPU for ``params`` parameters: weights (``d`` bytes each), and for
-    the trained share their gradients (``d``) and optimizer state (fp32 master weights and two
-    AdamW moments: the rest of ``BYTES_PER_PARAM``), each divided over the ``dp`` data-parallel
-    ranks as ``--zero`` shards it."""
+    the trained share their gradients (``d``) and optimizer state (``optimizer_bytes``; by default
+    fp32 master weights and two AdamW moments: the rest of ``BYTES_PER_PARAM``), each divided over
+    the ``dp`` data-parallel ranks as ``--zero`` shards it."""
     d = inp.dtype_bytes
+    opt = BYTES_PER_PARAM - 2 * d if inp.optimizer_bytes is None else inp.optimizer_bytes
     shard = [dp if inp.zero >= level else 1 for level in (3, 2, 1)]  # weights, gradients, optimizer
-    per_param = d / shard[0] + inp.trainable_fraction * (d / shard[1] + (BYTES_PER_PARAM - 2 * d) / shard[2])
+    per_param = d / shard[0] + inp.trainable_fraction * (d / shard[1] + opt / shard[2])
     return params * per_param
 
 

@@ -497,3 +497,24 @@ def test_the_planner_uses_the_write_budgets_thresholds():
     from ssdtrain import plan_drive, schedule
 
     assert (plan_drive.DRIVE_BOUND, plan_drive.MIN_DRIVE_STALL) == (schedule.DRIVE_BOUND, schedule.MIN_DRIVE_STALL)
+
+
+def test_optimizer_bytes_set_the_model_states(tmp_path):
+    """``--optimizer-bytes``: AdamW in bf16 with no master copy (the bench's) holds 4 bytes of
+    state a parameter, not 12: 8 bytes a parameter in all, and a longer sequence fits."""
+    from ssdtrain.plan_model import model_state_bytes
+
+    default, bf16_adam = _inp(), _inp(optimizer_bytes=4)
+    assert model_state_bytes(default, 1000, 1) == 16 * 1000
+    assert model_state_bytes(bf16_adam, 1000, 1) == 8 * 1000
+    assert model_state_bytes(_inp(optimizer_bytes=4, zero=1), 1000, 4) == (2 + 2 + 1) * 1000
+    args = ["--layers", "24", "--hidden", "1024", "--heads", "8", "--seq", "4096", "--vocab", "32768", "--gpus", "1",
+            "--gpu-mem-gib", "6", "--global-batch", "1", "--loss-chunk", "4096", "--json"]
+    longest = {}
+    for name, extra in (("default", []), ("bf16", ["--optimizer-bytes", "4"])):
+        out = tmp_path / f"{name}.json"
+        assert P.main(args + [str(out)] + extra) == 0
+        longest[name] = json.loads(out.read_text())["longest_seq"]["modes"]
+    assert longest["bf16"]["recompute"]["max_seq"] > longest["default"]["recompute"]["max_seq"] > 0
+    with pytest.raises(ValueError, match="--optimizer-bytes"):
+        _inp(optimizer_bytes=-1)
