@@ -577,3 +577,17 @@ def test_pack_cost_benchmark_smoke(tmp_path, capsys):
     for mode in ("tier", "drive", "kept"):
         assert rows[mode]["saves"] > 0 and rows[mode]["pack_us"] > 0 and rows[mode]["pack_calls"] > 0
     assert rows["kept"]["pack_calls"] < rows["tier"]["pack_calls"]
+
+
+def test_copy_issue_cost_benchmark_smoke(tmp_path, capsys):
+    """benchmarks/copy_issue_cost.py on the CPU (the harness; the ways that need CUDA are left
+    out): a loop beside a copying thread, per launch and per copy, in its JSON."""
+    module = _benchmark("copy_issue_cost")
+    out = tmp_path / "cost.json"
+    assert module.main(["--device", "cpu", "--copies", "20", "--mib", "0.25", "--launches", "2000", "--rounds", "1",
+                        "--json", str(out)]) == 0
+    assert "extra us per copy issued" in capsys.readouterr().out
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"alone", "torch"}
+    assert rows["alone"]["loop_us_per_launch"] > 0 and rows["torch"]["thread_us_per_copy"] > 0
+    assert rows["alone"]["extra_us_per_copy"] is None and rows["torch"]["extra_us_per_copy"] is not None
