@@ -75,7 +75,8 @@ def _issue(mode: str, dev: torch.device, srcs: list, dsts: list, batch: int, out
                     raise RuntimeError(f"cudaMemcpyAsync failed: error {err}")
             ev = torch.cuda.Event()
             events.append(ev)
-            lib.cudaEventRecord(ev.cuda_event, stream.cuda_stream)
+            if not ev.cuda_event or lib.cudaEventRecord(ev.cuda_event, stream.cuda_stream):
+                ev.record(stream)  # torch makes its event at the first record: then through torch
         stream.synchronize()
     out["thread_us_per_copy"] = (time.thread_time() - start) / max(1, len(srcs)) * 1e6
     out["issued_at"] = time.perf_counter()  # every copy queued by then
