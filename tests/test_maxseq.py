@@ -106,3 +106,25 @@ def test_chosen_probes_report_fit_and_misfit(tmp_path):
     assert [(p["mode"], p["seq"], p["fits"]) for p in probes] == [
         ("recompute+offload", 64, True), ("recompute", 16384, False)]
     assert probes[1]["peak_bytes"] > 20 << 20 and "does not fit" in proc.stdout
+
+
+def test_a_mode_that_misfits_below_its_longest_is_not_settled(monkeypatch):
+    """The side-by-side pairs at recompute's longest: a recompute+offload probe that does not fit
+    there (shorter than its longest in the search) is reported, not hidden in a missing ratio
+    (H200, 2026-11-27: 65536 in the search, out of memory at 40960)."""
+    calls = []
+
+    def fake_child(spec):
+        seq, mode = spec["model"]["seq"], spec["mode"]
+        calls.append((mode, seq))
+        paired = calls.count((mode, seq)) > 1  # probed again: a pair
+        fits = seq <= (256 if mode == "recompute" else 512) and not (mode == "recompute+offload" and paired)
+        return {"seq": seq, "fits": fits, "peak_bytes": seq, "step_s": 0.1, "oom": not fits, "error": None}
+    monkeypatch.setattr(maxseq, "probe_in_child", fake_child)
+    args = maxseq.MaxSeqArgs(model=maxseq.cpu_model(), modes=("recompute", "recompute+offload"), start=256,
+                             limit=2048, budget_bytes=40 << 20)
+    result = maxseq.run_max_seq(args)
+    vs = result["vs_recompute"]
+    assert [r["max_seq"] for r in result["max_seq"]] == [256, 512] and vs["seq"] == 256
+    assert vs["did_not_fit"] == ["recompute+offload", "recompute+offload"] and vs["step_ratio"] is None
+    assert "NOT SETTLED: recompute+offload did not fit at 256 tokens in 2 of" in maxseq.format_max_seq(result)

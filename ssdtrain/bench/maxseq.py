@@ -233,16 +233,22 @@ def run_max_seq(args: MaxSeqArgs) -> dict:
     found = {r["mode"]: r for r in rows}
     rec, ro = found.get("recompute"), found.get("recompute+offload")
     if rec and ro and rec["max_seq"] and ro["max_seq"]:
-        seq, ratios = rec["max_seq"], []
+        seq, ratios, misfits = rec["max_seq"], [], []
         for i in range(args.pairs):  # alternated: the machine's noise hits both alike
             times = {}
             for mode in (("recompute", "recompute+offload") if i % 2 == 0 else ("recompute+offload", "recompute")):
                 r = probe(mode, seq)
                 times[mode] = r["step_s"] if r["fits"] else None
+                if not r["fits"]:
+                    misfits.append(mode)
             if times["recompute"] and times["recompute+offload"]:
                 ratios.append(times["recompute+offload"] / times["recompute"])
+        # A mode that fits a length in the search and not a shorter one here has no longest
+        # sequence (H200, 2026-11-27: recompute+offload trained 65536 tokens, then ran out of
+        # memory at 40960): said, not hidden in a missing ratio.
         result["vs_recompute"] = {"seq": seq, "seq_ratio": ro["max_seq"] / seq, "step_ratios": ratios,
-                                  "step_ratio": statistics.median(ratios) if ratios else None}
+                                  "step_ratio": statistics.median(ratios) if ratios else None,
+                                  "did_not_fit": misfits}
     return result
 
 
@@ -274,6 +280,10 @@ def format_max_seq(result: dict) -> str:
         lines += ["", f"recompute+offload trains x{vs['seq_ratio']:.2f} the sequence of recompute within the same "
                   f"limit; at recompute's longest ({vs['seq']}), its step is {step} of recompute's (median of "
                   f"{len(vs['step_ratios'])} alternated pairs)"]
+        if vs.get("did_not_fit"):
+            lines.append(f"NOT SETTLED: {', '.join(sorted(set(vs['did_not_fit'])))} did not fit at {vs['seq']} "
+                         f"tokens in {len(vs['did_not_fit'])} of the side-by-side probes, though the search found it "
+                         "training as long or longer")
     return "\n".join(lines)
 
 
