@@ -365,3 +365,17 @@ def test_the_first_cuda_save_finds_the_first_slab_pinned(monkeypatch):
         assert len(threads) == 1
     finally:
         tier.close()
+
+
+def test_the_first_slab_refused_leaves_the_saves_to_the_drive():
+    """``pin_first`` where pinning is refused (a container's cap): no slab, the reason kept, and
+    every allocation after it answered with ``None`` (the drive takes the save), never an error."""
+    def refuse(n):
+        raise RuntimeError("cudaHostAlloc: operation not permitted")
+    pool = HostPool(8 * MiB, pin=refuse, background=True)
+    try:
+        pool.pin_first()
+        assert pool.pinned == 0 and "not permitted" in pool.error
+        assert pool.allocate(MiB) is None and pool.pinned == 0
+    finally:
+        pool.close()
