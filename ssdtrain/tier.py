@@ -182,11 +182,6 @@ class HostPool:
         if size:
             self._add_slab(size)
 
-    def wait_pinned(self) -> None:
-        """Blocks until the slab being pinned (if any) is in (tests, warm-up)."""
-        if self._thread is not None:
-            self._thread.submit(lambda: None).result()
-
     def free(self, ext: HostExtent) -> None:
         with self._lock:
             self._slabs[ext.slab][1].free(ext.offset, ext.reserved, trimmed=True)
@@ -249,14 +244,12 @@ class TieredBackend(Backend):
         cuda = dev.type == "cuda"
         # The tests' way through the tier (CPU tensors): plain host memory, at once.
         self.pool = HostPool(self._capacity, pin=device.pinned_empty if cuda else _host_empty, background=cuda)
-        if cuda:  # Note [the first step's saves find the pool pinned]
-            start = time.perf_counter()
-            self.pool.pin_first()
+        start = time.perf_counter()
+        self.pool.pin_first()  # Note [the first step's saves find the pool pinned]
+        if cuda:
             log.info("ssdtrain: the host tier pinned its first %d MiB in %.2f s (once)", self.pool.pinned >> 20,
                      time.perf_counter() - start)
             self._copy.submit(self._measure_rate, dev)
-        else:
-            self.pool.allocate(0)  # pins the first slab
 
     # Note [the first step's saves find the pool pinned]: the first slab is pinned on the training
     # thread at the first CUDA save (about 0.35 s for 512 MiB on an H100's host, once per process),
@@ -267,8 +260,7 @@ class TieredBackend(Backend):
     # 2026-11-27, where it trained 65536, whose longer forward let the pinning finish: not proven).
     # Later slabs are pinned in the background as the pool fills (``GROW_AT``).
     def _measure_rate(self, dev: torch.device) -> None:
-        self.pool.wait_pinned()
-        mem = self.pool.allocate(64 << 20)
+        mem = self.pool.allocate(64 << 20)  # the first slab is in (or pinning it failed: no rate)
         if mem is None:
             return
         try:
