@@ -31,6 +31,8 @@ import time
 
 import torch
 
+from ssdtrain.bench._device import resolve_device
+
 MODES = ("alone", "torch", "ctypes")
 D2H = 2  # cudaMemcpyDeviceToHost
 
@@ -118,9 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", help="write the rows here")
     ns = ap.parse_args(argv)
-    dev = torch.device(ns.device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
+    dev = resolve_device(ns.device)
     modes = MODES if dev.type == "cuda" else MODES[:2]
     nbytes = int(ns.mib * (1 << 20))
     run_round("torch", dev, 8, nbytes, 100, ns.batch)  # warm-up: the stream, the allocator

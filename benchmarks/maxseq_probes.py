@@ -16,7 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ssdtrain.bench.maxseq import MAX_SEQ_MODES, cpu_model, gpu_model, probe_in_child  # noqa: E402
+from ssdtrain.bench._device import resolve_device  # noqa: E402
+from ssdtrain.bench.maxseq import MAX_SEQ_MODES, MaxSeqArgs, cpu_model, describe, gpu_model, run_probe  # noqa: E402
 from ssdtrain.config import parse_bytes  # noqa: E402
 
 
@@ -41,24 +42,21 @@ def main() -> int:
     ap.add_argument("--probe", type=_probe, action="append", required=True, help="MODE:SEQ, repeatable, run in order")
     ap.add_argument("--json", help="write every probe's result here (after each probe)")
     ns = ap.parse_args()
-    gpu = ns.device.startswith("cuda")
+    dev = resolve_device(ns.device)
+    gpu = dev.type == "cuda"
     model = gpu_model() if gpu else cpu_model()
     model = model.replace(**{k: getattr(ns, k) for k in ("layers", "hidden", "heads", "vocab")
                              if getattr(ns, k) is not None})
-    dtype = ns.dtype or ("bfloat16" if gpu else "float32")
+    args = MaxSeqArgs(model=model, device=str(dev), dtype=ns.dtype or ("bfloat16" if gpu else "float32"),
+                      budget_bytes=ns.memory_budget, path=ns.path)
     results = []
     for mode, seq in ns.probe:
-        spec = {"model": dataclasses.asdict(model.replace(seq=seq)), "mode": mode, "device": ns.device,
-                "dtype": dtype, "batch": 1, "budget": ns.memory_budget, "path": ns.path}
-        r = dict(probe_in_child(spec), mode=mode)
+        r = run_probe(args, mode, seq)
         results.append(r)
-        peak = "-" if r.get("peak_bytes") is None else f"{r['peak_bytes'] / (1 << 20):.0f} MiB"
-        step = "-" if r.get("step_s") is None else f"{r['step_s']:.2f}s"
-        print(f"{mode} seq {seq}: {'fits' if r['fits'] else 'does not fit'} (peak {peak}, step {step})"
-              + ("" if r["fits"] else f" {str(r.get('error') or '')[-300:]}"), flush=True)
+        print(describe(r) + ("" if r["fits"] else f" {str(r.get('error') or '')[-300:]}"), flush=True)
         if ns.json:
-            Path(ns.json).write_text(json.dumps({"model": dataclasses.asdict(model), "device": ns.device,
-                                                 "dtype": dtype, "budget_bytes": ns.memory_budget,
+            Path(ns.json).write_text(json.dumps({"model": dataclasses.asdict(model), "device": args.device,
+                                                 "dtype": args.dtype, "budget_bytes": ns.memory_budget,
                                                  "probes": results}, indent=1))
     return 0
 

@@ -36,8 +36,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["MAX_SEQ_MODES", "MaxSeqArgs", "cpu_model", "gpu_model", "search", "run_max_seq", "format_max_seq",
-           "plot_max_seq"]
+__all__ = ["MAX_SEQ_MODES", "MaxSeqArgs", "cpu_model", "gpu_model", "search", "run_probe", "describe", "run_max_seq",
+           "format_max_seq", "plot_max_seq"]
 
 MAX_SEQ_MODES = ("baseline", "recompute", "offload", "recompute+offload")
 MMAP_THRESHOLD = 64 << 10
@@ -107,9 +107,7 @@ def _child(spec: dict) -> dict:
     from ssdtrain.bench.modes import Mode, offloader_factory
 
     cfg = GPTConfig(**spec["model"])
-    dev = torch.device(spec["device"])
-    if dev.type == "cuda" and dev.index is None:  # the memory fraction's calls want an index (torch 2.11)
-        dev = torch.device("cuda", torch.cuda.current_device())
+    dev = _device.resolve_device(spec["device"])  # "cuda" gets its index: the memory fraction's calls want one
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec["dtype"]]
     torch.manual_seed(0)
     out: dict[str, Any] = {"seq": cfg.seq, "fits": False, "oom": False, "peak_bytes": None, "step_s": None,
@@ -201,23 +199,34 @@ def search(mode: str, probe: Callable[[str, int], dict], start: int, limit: int)
     return lo, probes
 
 
+def run_probe(args: MaxSeqArgs, mode: str, seq: int) -> dict:
+    """One probe of ``mode`` at ``seq`` tokens with ``args``' model, device and budget (a child
+    process: :func:`probe_in_child`); its result, with ``mode``."""
+    spec = {"model": dataclasses.asdict(args.model.replace(seq=seq)), "mode": mode, "device": args.device,
+            "dtype": args.dtype, "batch": args.batch, "budget": args.budget_bytes, "path": args.path}
+    return dict(probe_in_child(spec), mode=mode)
+
+
+def describe(r: dict) -> str:
+    """A probe's result in a line."""
+    peak = "-" if r.get("peak_bytes") is None else f"{r['peak_bytes'] / MIB:.0f} MiB"
+    step = "-" if r.get("step_s") is None else f"{r['step_s']:.2f}s"
+    return f"{r['mode']} seq {r['seq']}: {'fits' if r['fits'] else 'does not fit'} (peak {peak}, step {step})"
+
+
 def run_max_seq(args: MaxSeqArgs) -> dict:
     """Searches each mode's longest sequence; returns the ``--json`` structure (``max_seq``: a list
     of ``{"mode", "max_seq", "step_s"}``)."""
     say = args.progress or (lambda text: None)
+    head = {"model": dataclasses.asdict(args.model), "device": args.device, "dtype": args.dtype,
+            "batch": args.batch, "budget_bytes": args.budget_bytes}
 
     def probe(mode: str, seq: int) -> dict:
-        spec = {"model": dataclasses.asdict(args.model.replace(seq=seq)), "mode": mode, "device": args.device,
-                "dtype": args.dtype, "batch": args.batch, "budget": args.budget_bytes, "path": args.path}
-        r = probe_in_child(spec)
-        r["mode"] = mode
-        peak = "-" if r.get("peak_bytes") is None else f"{r['peak_bytes'] / MIB:.0f} MiB"
-        step = "-" if r.get("step_s") is None else f"{r['step_s']:.2f}s"
-        say(f"{mode} seq {seq}: {'fits' if r['fits'] else 'does not fit'} (peak {peak}, step {step})")
+        r = run_probe(args, mode, seq)
+        say(describe(r))
         done.append(r)
         if args.partial is not None:
-            args.partial({"model": dataclasses.asdict(args.model), "device": args.device, "dtype": args.dtype,
-                          "batch": args.batch, "budget_bytes": args.budget_bytes, "partial": True, "probes": done})
+            args.partial({**head, "partial": True, "probes": done})
         return r
 
     rows, probes, done = [], [], []
@@ -227,9 +236,7 @@ def run_max_seq(args: MaxSeqArgs) -> dict:
         at = [p for p in tried if p["fits"] and p["seq"] == longest]
         rows.append({"mode": mode, "max_seq": longest, "step_s": at[0]["step_s"] if at else None,
                      "peak_bytes": at[0]["peak_bytes"] if at else None, "hit_limit": longest == args.limit})
-    result: dict[str, Any] = {"model": dataclasses.asdict(args.model), "device": args.device, "dtype": args.dtype,
-                              "batch": args.batch, "budget_bytes": args.budget_bytes, "max_seq": rows,
-                              "probes": probes}
+    result: dict[str, Any] = {**head, "max_seq": rows, "probes": probes}
     found = {r["mode"]: r for r in rows}
     rec, ro = found.get("recompute"), found.get("recompute+offload")
     if rec and ro and rec["max_seq"] and ro["max_seq"]:
