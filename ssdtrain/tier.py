@@ -108,8 +108,9 @@ class HostExtent:
 class HostPool:
     """Pinned host memory in slabs, up to ``capacity`` bytes; thread-safe.
 
-    :meth:`allocate` never pins: when no slab has room it asks the pin thread for another slab
-    (while the capacity allows) and returns ``None`` (the save goes to the drives or stays), so
+    :meth:`allocate` never pins: when no slab has room it returns ``None`` (the save goes to the
+    drives or stays) and the pin thread pins slabs, one after another, until the pool holds what
+    was asked of it at once (Note [the pool grows to its demand]), while the capacity allows; so
     the training thread waits for no pinning but the first slab's (:meth:`pin_first`). A slab is
     also pinned ahead of need once ``GROW_AT`` of the pinned bytes are in use. ``pin`` makes a
     slab (a seam for tests).
@@ -128,6 +129,9 @@ class HostPool:
         self.used = 0
         self.peak = 0
         self.error: str | None = None  # why pinning stopped, if it did
+        self.wanted = 0  # the most bytes asked of the pool at once (Note [the pool grows to its demand])
+        self._refused = 0  # bytes refused since the pool was last empty
+        self._big = 0  # the largest save refused for want of a slab its size
 
     def allocate(self, nbytes: int) -> HostExtent | None:
         ext = None
@@ -140,7 +144,13 @@ class HostPool:
                     ext = HostExtent(i, off, length, nbytes)
                     break
                 alloc.free(off, length, trimmed=True)
-            grow = self._grow_size(0 if ext is not None else nbytes)
+            if ext is None and nbytes:
+                self._refused += nbytes
+                # at least a slab more than now, as a refusal always asked (a hole too small)
+                self.wanted = max(self.wanted, self.used + self._refused, self.pinned + nbytes)
+                if nbytes > self._slab:
+                    self._big = max(self._big, nbytes)
+            grow = self._grow_size()
         if grow:
             if self._thread is None:
                 self._add_slab(grow)
@@ -148,37 +158,50 @@ class HostPool:
                 self._thread.submit(self._add_slab, grow)
         return ext
 
-    def _grow_size(self, need: int) -> int:
+    def _grow_size(self) -> int:
         """Under the lock: the size of a slab to pin now (0: none is needed, or allowed)."""
         if self._pinning or self.error is not None:
             return 0
-        if not need and self.used < GROW_AT * self.pinned:
+        if self.pinned >= self.wanted and self.used < GROW_AT * self.pinned and self._slabs:
             return 0
-        size = min(max(self._slab, -(-need // 4096) * 4096), self.capacity - self.pinned)
-        if size <= 0 or size < need:
+        size = min(max(self._slab, -(-self._big // 4096) * 4096), self.capacity - self.pinned)
+        if size <= 0 or size < self._big:
             return 0
         self._pinning = size
         return size
 
     def _add_slab(self, size: int) -> None:
-        try:
-            mem = self._pin(size)
-        except (RuntimeError, MemoryError) as e:  # pinning refused (a cap, no memory): stop growing
+        while size:
+            try:
+                mem = self._pin(size)
+            except (RuntimeError, MemoryError) as e:  # pinning refused (a cap, no memory): stop growing
+                with self._lock:
+                    self._pinning = 0
+                    self.error = f"pinning {size >> 20} MiB failed ({e}); the tier stays at {self.pinned >> 20} MiB"
+                log.warning("ssdtrain: %s", self.error)
+                return
             with self._lock:
+                self._slabs.append((mem, ExtentAllocator(4096)))
+                self.pinned += size
                 self._pinning = 0
-                self.error = f"pinning {size >> 20} MiB failed ({e}); the tier stays at {self.pinned >> 20} MiB"
-            log.warning("ssdtrain: %s", self.error)
-            return
-        with self._lock:
-            self._slabs.append((mem, ExtentAllocator(4096)))
-            self.pinned += size
-            self._pinning = 0
+                if size >= self._big:
+                    self._big = 0
+                # Note [the pool grows to its demand]: on until the pool holds what was asked of it
+                size = self._grow_size() if self.pinned < self.wanted else 0
+
+    # Note [the pool grows to its demand]: a save the pool has no room for goes to the drives (or
+    # stays), and the pin thread pins slabs one after another until ``pinned`` reaches ``wanted``,
+    # the most bytes asked of the pool at once (in use plus refused since it was last empty), not
+    # one slab per refusal. Pinning runs at about 1.5 GB/s (512 MiB in 0.35 s on an H100's host):
+    # grown a slab at a time, only while a forward was refused, the pool of a long sequence
+    # (recompute+offload at 65536 tokens, 24 block inputs of 128 MiB) stayed short of its 3 GiB
+    # through a probe's warm-up steps, and the rest went to the drive or stayed on the GPU.
 
     def pin_first(self) -> None:
         """Pins the first slab on the calling thread, if none is pinned or being pinned (Note [the
         first step's saves find the pool pinned])."""
         with self._lock:
-            size = 0 if self._slabs else self._grow_size(0)
+            size = 0 if self._slabs else self._grow_size()
         if size:
             self._add_slab(size)
 
@@ -186,6 +209,8 @@ class HostPool:
         with self._lock:
             self._slabs[ext.slab][1].free(ext.offset, ext.reserved, trimmed=True)
             self.used -= ext.reserved
+            if not self.used:
+                self._refused = 0
 
     def view(self, ext: HostExtent) -> torch.Tensor:
         """The extent's bytes (1-D uint8, ``ext.nbytes`` long)."""

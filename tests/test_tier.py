@@ -3,6 +3,9 @@ through the tier (on a GPU only CUDA tensors use it; tests/gpu/test_gpu_tier.py 
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -62,6 +65,40 @@ def test_a_save_larger_than_a_slab_gets_a_slab_of_its_size():
     pool = _pool(64 * MiB, slab=4 * MiB)
     assert pool.allocate(10 * MiB) is None  # pins a 10 MiB slab for it
     assert pool.allocate(10 * MiB) is not None
+
+
+def test_the_pool_grows_to_what_was_asked_of_it_at_once_without_more_refusals():
+    # Note [the pool grows to its demand]: refusals while a slab is being pinned are counted, and
+    # the pin thread goes on pinning slabs until the pool holds them; not one slab per refusal.
+    gate = threading.Event()
+    pinned_sizes = []
+
+    def pin(n):
+        gate.wait(10)
+        pinned_sizes.append(n)
+        return torch.empty(n, dtype=torch.uint8)
+
+    pool = HostPool(64 * MiB, pin=pin, slab=4 * MiB, background=True)
+    try:
+        refused = [pool.allocate(3 * MiB) for _ in range(6)]  # 18 MiB asked while nothing is pinned
+        assert refused == [None] * 6 and pool.wanted == 18 * MiB
+        gate.set()
+        deadline = time.monotonic() + 10
+        while pool.pinned < 18 * MiB and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)
+        assert pool.pinned == 20 * MiB  # five slabs of 4 MiB: the demand, rounded up to a slab
+        assert pinned_sizes == [4 * MiB] * 5
+        got = [pool.allocate(3 * MiB) for _ in range(5)]
+        assert all(e is not None for e in got)  # what was refused now fits (a 3 MiB save a slab)
+        for e in got:
+            pool.free(e)
+        assert pool.used == 0
+        # Emptied, the pool forgets past refusals: the next step's are counted from nothing
+        assert pool.allocate(3 * MiB) is not None and pool.wanted == 18 * MiB
+    finally:
+        gate.set()
+        pool.close()
 
 
 def test_pinning_refused_stops_growth_with_a_reason():

@@ -119,11 +119,13 @@ def _child(spec: dict) -> dict:
             torch.cuda.set_per_process_memory_fraction(spec["budget"] / total, dev)
         mode = Mode(spec["mode"], GPT(cfg).to(dtype).to(dev), offloader_factory(spec.get("path"), None))
         tokens = torch.randint(0, cfg.vocab, (spec["batch"], cfg.seq), device=dev)
+        out["steps"] = 1
         mode.forward_backward(tokens, tokens)  # warm-up: the first step pays its first allocations
         mode.drain()
         for _ in range(WARMUP_MAX - 1):  # Note [a probe measures the steady state]
             if not _learning(mode):
                 break
+            out["steps"] += 1
             mode.forward_backward(tokens, tokens)
             mode.drain()
         model_bytes = sum(p.numel() * p.element_size() for p in mode.model.parameters()) + sum(
@@ -131,14 +133,18 @@ def _child(spec: dict) -> dict:
             if isinstance(t, torch.Tensor))
         mode.opt.zero_grad(set_to_none=True)
         start = _device.reset_memory_peaks(dev)
+        before = mode.off.stats() if mode.off is not None else None
         _device.synchronize(dev)
         sampler.start()
+        out["steps"] += 1
         t0 = time.perf_counter()
         mode.forward_backward(tokens, tokens)
         _device.synchronize(dev)
         out["step_s"] = time.perf_counter() - t0
         growth = sampler.stop()
         mode.drain()
+        if before is not None:
+            out["offload"] = _where_saves_went(mode, before)
         if dev.type == "cuda":
             out["peak_bytes"] = _device.memory_peaks(dev)["max_memory_allocated_bytes"]
             out["fits"] = True
@@ -149,10 +155,30 @@ def _child(spec: dict) -> dict:
         out["start_bytes"] = start
         mode.close()
     except torch.OutOfMemoryError as exc:
-        out["oom"], out["error"] = True, str(exc).splitlines()[0]
+        out["oom"], out["error"] = True, f"step {out.get('steps')}: " + str(exc).splitlines()[0]
     finally:
         sampler.close()
     return out
+
+
+def _where_saves_went(mode, before) -> dict:
+    """The measured step's offloading, in bytes: where its saves went (the host tier, the drives,
+    kept on the device), and the tier's state: so that a probe whose peak is not what the mode
+    promises says why (H200, 2026-11-27: recompute+offload's peak grew 47 KB a token where the
+    block inputs it offloads are 48 of recompute's 60)."""
+    after = mode.off.stats()
+    diff = {f: getattr(after, f) - getattr(before, f)
+            for f in ("saved_bytes", "unique_bytes", "host_copied_bytes", "written_bytes", "spilled_bytes",
+                      "kept_bytes", "budget_kept_bytes", "peak_kept_bytes")}
+    diff["drive_bytes"] = diff.pop("written_bytes") - diff["host_copied_bytes"]
+    diff.update(host_tier_pinned_bytes=after.host_tier_pinned_bytes, host_tier_peak_bytes=after.host_tier_peak_bytes,
+                peak_resident_bytes=after.peak_resident_bytes)
+    tier = getattr(mode.off, "_tier", None)
+    if tier is not None:
+        clock = tier.clock
+        diff.update(copy_limit_bytes=clock.limit, copy_deferred=clock.deferred,
+                    host_tier_wanted_bytes=tier.pool.wanted if tier.pool is not None else None)
+    return diff
 
 
 # Note [a probe measures the steady state]: an offloader with the host tier learns its copy
@@ -165,12 +191,14 @@ WARMUP_MAX = 5
 
 
 def _learning(mode) -> bool:
-    """Whether ``mode``'s host tier is still learning its copy budget."""
+    """Whether ``mode``'s host tier is still learning its copy budget, or its pool is still being
+    pinned up to what a step asked of it (Note [the pool grows to its demand])."""
     tier = getattr(mode.off, "_tier", None)
     if tier is None or tier.pool is None:
         return False
-    clock = tier.clock
-    return clock.rate is None or clock.ratio is None and not clock.deferred
+    clock, pool = tier.clock, tier.pool
+    growing = pool.pinned < min(pool.wanted, pool.capacity) and pool.error is None
+    return clock.rate is None or clock.ratio is None and not clock.deferred or growing
 
 
 def search(mode: str, probe: Callable[[str, int], dict], start: int, limit: int) -> tuple[int | None, list[dict]]:
@@ -211,7 +239,13 @@ def describe(r: dict) -> str:
     """A probe's result in a line."""
     peak = "-" if r.get("peak_bytes") is None else f"{r['peak_bytes'] / MIB:.0f} MiB"
     step = "-" if r.get("step_s") is None else f"{r['step_s']:.2f}s"
-    return f"{r['mode']} seq {r['seq']}: {'fits' if r['fits'] else 'does not fit'} (peak {peak}, step {step})"
+    line = f"{r['mode']} seq {r['seq']}: {'fits' if r['fits'] else 'does not fit'} (peak {peak}, step {step})"
+    off = r.get("offload")
+    if off:  # where the measured step's saves went
+        line += (f"; saved {off['unique_bytes'] / MIB:.0f} MiB: tier {off['host_copied_bytes'] / MIB:.0f}, drive "
+                 f"{off['drive_bytes'] / MIB:.0f}, kept {off['kept_bytes'] / MIB:.0f} MiB; tier pinned "
+                 f"{off['host_tier_pinned_bytes'] / MIB:.0f} MiB")
+    return line
 
 
 def run_max_seq(args: MaxSeqArgs) -> dict:
