@@ -44,6 +44,14 @@ DUE_MARGIN = 1.1
 # same H200 and cap (a later call), recompute+offload ran out of memory at 40960 tokens, where
 # recompute trains, asking 512 MiB with 169-228 MiB of the cap reserved but unallocated. Which of
 # its steps did is not known (no GPU since): this margin is a guess at the cause, not a proof.
+# Note [a first step's copies are due at once]: before the rates are known (the first steps, and
+# those whose reference forward waits for room), a copy is due as soon as it is queued: it is
+# released, in stream order, at the next look, and the compute stream waits for it from there.
+# Due "once seen done" instead, a GPU-bound forward, whose host runs ahead of the device, saw no
+# copy done before its peak and freed nothing: the first step's peak was the peak without the
+# tier (a GPU test of a fresh Offloader, H200 2026-11-27), and at a length that trains only with
+# the tier the first steps ran out of memory (recompute+offload at 49152 and 65536 tokens under a
+# 6 GiB cap, in the second step). Waiting for copies makes those steps slower, never larger.
 class CopyClock:
     """Positions in a forward, in bytes produced (see the Note); what a forward may copy."""
 
@@ -94,9 +102,10 @@ class CopyClock:
         return True
 
     def schedule(self, nbytes: int) -> float:
-        """The position at which a copy of ``nbytes`` queued now is due (``inf``: not known)."""
+        """The position at which a copy of ``nbytes`` queued now is due: at once while the rates
+        are not known (Note [a first step's copies are due at once])."""
         if self.ratio is None:
-            return float("inf")
+            return self.pos
         self.tail = max(self.tail, self.pos) + nbytes * self.ratio * DUE_MARGIN
         return self.tail
 

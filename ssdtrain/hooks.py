@@ -229,6 +229,8 @@ class SaveHooks:
         if type(ref) is Parts:
             return ref.rebuild(self._unpack)
         self._safe_point(raise_errors=False)
+        if self._tier is not None:
+            self._see_peak()
         if torch.autograd.profiler._is_profiler_enabled:  # Note [pack is the training thread's time]
             with profiled("ssdtrain.unpack"):
                 return self._unpack_entry(ref)

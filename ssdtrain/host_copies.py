@@ -17,7 +17,7 @@ from ssdtrain.device import Fence, _on, is_cuda, order, side_stream
 
 __all__ = [
     "StreamRef", "stream_of", "name_stream", "queue_copies", "current_stream", "queue_copy_after", "order_current",
-    "room_above_peak", "GpuTimer", "timed_copies", "copy_rate",
+    "room_above_peak", "allocator_peak", "GpuTimer", "timed_copies", "copy_rate",
 ]
 
 
@@ -125,10 +125,11 @@ def order_current(fence: Fence, stream: torch.cuda.Stream | None = None) -> None
     fence.order(stream if stream is not None else current_stream(fence.device))
 
 
-def room_above_peak(dev: torch.device) -> int:
+def room_above_peak(dev: torch.device, seen: int = 0) -> int:
     """Bytes this process could still allocate on ``dev`` above its allocator's peak (since the
-    peak's last reset): the device's free memory plus what the caching allocator holds unused,
-    within the per-process fraction if one is set (``set_per_process_memory_fraction``)."""
+    peak's last reset), or above ``seen`` if higher (a peak read earlier, before a reset): the
+    device's free memory plus what the caching allocator holds unused, within the per-process
+    fraction if one is set (``set_per_process_memory_fraction``)."""
     with _on(dev):
         index = torch.cuda.current_device() if dev.index is None else dev.index  # "cuda" alone
         free, total = torch.cuda.mem_get_info(index)
@@ -136,7 +137,13 @@ def room_above_peak(dev: torch.device) -> int:
         fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
         if fraction is not None:  # it refuses a device with no index (torch 2.11, H200 2026-11-27)
             limit = min(limit, int(total * fraction(index)))
-        return limit - torch.cuda.max_memory_allocated(index)
+        return limit - max(seen, torch.cuda.max_memory_allocated(index))
+
+
+def allocator_peak(dev: torch.device) -> int:
+    """The caching allocator's peak of allocated bytes on ``dev`` since its last reset."""
+    with _on(dev):
+        return torch.cuda.max_memory_allocated(torch.cuda.current_device() if dev.index is None else dev.index)
 
 
 class GpuTimer:

@@ -84,6 +84,8 @@ class Offloader(hooks.SaveHooks):
         self._fwd_timer: host_copies.GpuTimer | None = None
         self._ordered: tuple = ()  # the last (copy fence, stream) ordered (Offloader._copy_due)
         self._fwd_dev: torch.device | None = None
+        self._seen_peak = 0  # the allocator's peak seen in the last backward (Note [the step's peak, seen in backward])
+        self._unpacks = 0
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._counters = Counters()
@@ -352,7 +354,7 @@ class Offloader(hooks.SaveHooks):
         room = True
         if clock.wants_reference() and self._fwd_dev is not None:  # Note [the reference forward needs room]
             need = REFERENCE_ROOM * clock.sent + REFERENCE_SLACK
-            room = not clock.sent or host_copies.room_above_peak(self._fwd_dev) >= need
+            room = not clock.sent or host_copies.room_above_peak(self._fwd_dev, self._seen_peak) >= need
             if not room and not clock.deferred:
                 warnings.warn(
                     f"ssdtrain: the host tier took {clock.sent / 2**30:.2f} GiB off the last step's "
@@ -360,10 +362,31 @@ class Offloader(hooks.SaveHooks):
                     "save it can until it has (a slower step than a learned copy budget, not out of memory)",
                     RuntimeWarning, stacklevel=4)
         clock.begin(room)
+        self._seen_peak = self._unpacks = 0
         if self._fwd_dev is not None:
             self._fwd_timer = host_copies.GpuTimer(self._fwd_dev)
 
 
+    def _see_peak(self) -> None:
+        """At an unpack, until the tier has measured a forward copying nothing: remembers the
+        allocator's peak (Note [the step's peak, seen in backward]), at the first unpack of a
+        backward and every ``PEAK_EVERY``-th after (the peak is a high-water mark: a later look
+        sees an earlier peak; each look costs the allocator's whole statistics)."""
+        if self._unpacks % PEAK_EVERY == 0 and self._fwd_dev is not None and self._tier.clock.reference is None:
+            self._seen_peak = max(self._seen_peak, host_copies.allocator_peak(self._fwd_dev))
+        self._unpacks += 1
+
+    # Note [the step's peak, seen in backward]: whether a forward copying nothing fits is judged
+    # from the last step's peak, read from the allocator's high-water mark. Read only when the
+    # next forward begins, it is what the user left it: a loop that resets the peak each step
+    # (``torch.cuda.reset_peak_memory_stats()``, common for logging, and what the max-seq probe
+    # does) leaves the model's bytes alone, the room looks ample, and that forward runs out of
+    # memory (H200, 2026-11-27: recompute+offload at 40960 tokens under a 6 GiB cap, out of memory
+    # in the step whose peak the probe had just reset, where recompute alone trains). So the peak
+    # is also read in backward, at unpacks, where the step's peak has just been reached.
+
+
+PEAK_EVERY = 8
 REFERENCE_ROOM = 1.25
 REFERENCE_SLACK = 256 << 20
 """The room above the last peak that a forward measured with no copy needs (Note [the reference

@@ -114,7 +114,9 @@ def test_copy_clock_budget_and_due_positions():
     clock = CopyClock()
     clock.begin()
     assert clock.allows(10**12)  # nothing learned yet: no limit
-    assert clock.schedule(100) == float("inf")  # no rate yet: due only once seen done
+    clock.produced(500)
+    # no rates yet: due at once (Note [a first step's copies are due at once])
+    assert clock.schedule(100) == 500 and clock.is_due(500)
     clock.rate = 50e9
     clock.learn(0.03, 6 * 10**9)  # a forward that copied: not learned from
     assert clock.ratio is None and clock.limit is None
@@ -342,7 +344,8 @@ def test_the_reference_forward_waits_for_room(off_dir, tier_on_cpu, monkeypatch)
             return 0.01
     room = {"bytes": 0}
     monkeypatch.setattr(offloader_mod.host_copies, "GpuTimer", Timer)
-    monkeypatch.setattr(offloader_mod.host_copies, "room_above_peak", lambda dev: room["bytes"])
+    monkeypatch.setattr(offloader_mod.host_copies, "room_above_peak", lambda dev, seen=0: room["bytes"])
+    monkeypatch.setattr(offloader_mod.host_copies, "allocator_peak", lambda dev: 0)
     model, loss_fn, base, off, steps = _tier_setup(off_dir)
     clock = off._tier.clock
 
@@ -367,6 +370,56 @@ def test_the_reference_forward_waits_for_room(off_dir, tier_on_cpu, monkeypatch)
         # room now: measured, no copy
         assert forward() == 0 and clock.limit == 0 and clock.deferred == 3
         assert forward() > 0 and clock.reference == 0.01  # learned
+        assert_same(base, step(model, loss_fn, off))
+    finally:
+        off.close()
+
+
+def test_the_reference_forward_judges_room_by_the_peak_seen_in_backward(off_dir, tier_on_cpu, monkeypatch):
+    """Note [the step's peak, seen in backward]: a loop that resets the allocator's peak between
+    steps leaves only the model's bytes in it when the next forward begins; the room for a forward
+    copying nothing is judged from the peak read at backward's unpacks, before the reset."""
+    class Timer:
+        def __init__(self, dev):
+            pass
+
+        def stop(self, dev):
+            pass
+
+        def seconds(self):
+            return 0.01
+    limit, model_bytes = 8 << 30, 1 << 30
+    alloc = {"peak": model_bytes}  # the allocator's high-water mark since the user's last reset
+    looks = []
+
+    def allocator_peak(dev):
+        looks.append(alloc["peak"])
+        return alloc["peak"]
+    monkeypatch.setattr(offloader_mod.host_copies, "GpuTimer", Timer)
+    monkeypatch.setattr(offloader_mod.host_copies, "allocator_peak", allocator_peak)
+    monkeypatch.setattr(offloader_mod.host_copies, "room_above_peak",
+                        lambda dev, seen=0: limit - max(seen, alloc["peak"]))
+    model, loss_fn, base, off, steps = _tier_setup(off_dir)
+    clock = off._tier.clock
+
+    def user_step(peak):
+        alloc["peak"] = peak  # reached in this step, seen at its unpacks
+        copied = _copied(steps())
+        alloc["peak"] = model_bytes  # torch.cuda.reset_peak_memory_stats() after the step
+        return copied
+    try:
+        first = user_step(limit - (64 << 20))  # near the limit: no room for what the tier took off
+        off._fwd_dev = torch.device("cpu")
+        clock.rate = 1e9
+        with pytest.warns(RuntimeWarning, match="no room to measure a forward without it"):
+            assert user_step(limit - (64 << 20)) == first
+        assert looks and clock.limit is None and clock.deferred == 1  # read at unpacks, not trusted to the reset
+        assert user_step(model_bytes + (1 << 20)) > 0 and clock.deferred == 2  # deferred as the step began
+        # That step's peak left room: the next forward is measured, copying nothing; then learned
+        assert user_step(model_bytes + (1 << 20)) == 0 and clock.limit == 0
+        seen = len(looks)
+        assert user_step(model_bytes) > 0 and clock.reference == 0.01
+        assert len(looks) == seen  # learned: the allocator's statistics are not read again
         assert_same(base, step(model, loss_fn, off))
     finally:
         off.close()

@@ -119,34 +119,45 @@ def _child(spec: dict) -> dict:
             torch.cuda.set_per_process_memory_fraction(spec["budget"] / total, dev)
         mode = Mode(spec["mode"], GPT(cfg).to(dtype).to(dev), offloader_factory(spec.get("path"), None))
         tokens = torch.randint(0, cfg.vocab, (spec["batch"], cfg.seq), device=dev)
-        out["steps"] = 1
-        mode.forward_backward(tokens, tokens)  # warm-up: the first step pays its first allocations
+        out["per_step"] = steps = []
+
+        def step() -> float:
+            """One step, its record appended to ``steps`` first (an out-of-memory leaves it there,
+            partial); returns its seconds."""
+            rec: dict[str, Any] = {"step": len(steps) + 1}
+            steps.append(rec)
+            _device.reset_memory_peaks(dev)  # as users do each step: the engine must not rely on the peak's age
+            before = mode.off.stats() if mode.off is not None else None
+            try:
+                t0 = time.perf_counter()
+                mode.forward_backward(tokens, tokens)
+                _device.synchronize(dev)
+                rec["step_s"] = time.perf_counter() - t0
+                return rec["step_s"]
+            finally:
+                rec["peak_bytes"] = _device.memory_peaks(dev)["max_memory_allocated_bytes"]
+                if before is not None:
+                    rec.update(_where_saves_went(mode, before))
+
+        step()  # warm-up: the first step pays its first allocations
         mode.drain()
-        for _ in range(WARMUP_MAX - 1):  # Note [a probe measures the steady state]
-            if not _learning(mode):
-                break
-            out["steps"] += 1
-            mode.forward_backward(tokens, tokens)
+        while len(steps) < WARMUP_MAX and _learning(mode):  # Note [a probe measures the steady state]
+            step()
             mode.drain()
         model_bytes = sum(p.numel() * p.element_size() for p in mode.model.parameters()) + sum(
             t.numel() * t.element_size() for st in mode.opt.state.values() for t in st.values()
             if isinstance(t, torch.Tensor))
         mode.opt.zero_grad(set_to_none=True)
         start = _device.reset_memory_peaks(dev)
-        before = mode.off.stats() if mode.off is not None else None
         _device.synchronize(dev)
         sampler.start()
-        out["steps"] += 1
-        t0 = time.perf_counter()
-        mode.forward_backward(tokens, tokens)
-        _device.synchronize(dev)
-        out["step_s"] = time.perf_counter() - t0
+        out["step_s"] = step()
         growth = sampler.stop()
         mode.drain()
-        if before is not None:
-            out["offload"] = _where_saves_went(mode, before)
+        if "host_copied_bytes" in steps[-1]:
+            out["offload"] = steps[-1]
         if dev.type == "cuda":
-            out["peak_bytes"] = _device.memory_peaks(dev)["max_memory_allocated_bytes"]
+            out["peak_bytes"] = steps[-1]["peak_bytes"]
             out["fits"] = True
         else:
             out["peak_bytes"] = (growth or 0) + model_bytes
@@ -155,7 +166,7 @@ def _child(spec: dict) -> dict:
         out["start_bytes"] = start
         mode.close()
     except torch.OutOfMemoryError as exc:
-        out["oom"], out["error"] = True, f"step {out.get('steps')}: " + str(exc).splitlines()[0]
+        out["oom"], out["error"] = True, f"step {len(out.get('per_step') or [])}: " + str(exc).splitlines()[0]
     finally:
         sampler.close()
     return out
@@ -174,9 +185,9 @@ def _where_saves_went(mode, before) -> dict:
     diff.update(host_tier_pinned_bytes=after.host_tier_pinned_bytes, host_tier_peak_bytes=after.host_tier_peak_bytes,
                 peak_resident_bytes=after.peak_resident_bytes)
     tier = getattr(mode.off, "_tier", None)
-    if tier is not None:
+    if tier is not None:  # the copy clock as this step's forward began (0: the forward measured copying nothing)
         clock = tier.clock
-        diff.update(copy_limit_bytes=clock.limit, copy_deferred=clock.deferred,
+        diff.update(copy_limit_bytes=clock.limit, copy_deferred=clock.deferred, copy_rate=clock.rate,
                     host_tier_wanted_bytes=tier.pool.wanted if tier.pool is not None else None)
     return diff
 
