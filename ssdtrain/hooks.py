@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ssdtrain import device, keep
+from ssdtrain import device, host_copies, keep
 from ssdtrain.cache import Entry, Parts, Ref, Small, State, byte_span, entry_span, rebuild
 from ssdtrain.peak import possible_bytes
 from ssdtrain.schedule import Scope
@@ -111,6 +111,8 @@ class SaveHooks:
             self._tier.clock.produced(n)
             if self._fwd_dev is None and e.device.type == "cuda":
                 self._fwd_dev = e.device  # forwards are timed on it from the next one on
+                # near this forward's start: Note [the step's peak, seen in backward]
+                self._start_alloc = host_copies.allocated(e.device) - n
         late = not tier and not self._peak.fits(n, self._writer.queued_bytes, _now())
         choice = self._policy.decide(n, layer, self._writer.has_room(n), budget=self._tier.clock if tier else None,
                                      late=late)

@@ -17,7 +17,7 @@ from ssdtrain.device import Fence, _on, is_cuda, order, side_stream
 
 __all__ = [
     "StreamRef", "stream_of", "name_stream", "queue_copies", "current_stream", "queue_copy_after", "order_current",
-    "room_above_peak", "allocator_peak", "GpuTimer", "timed_copies", "copy_rate",
+    "room_above_peak", "device_limit", "allocator_peak", "allocated", "GpuTimer", "timed_copies", "copy_rate",
 ]
 
 
@@ -125,25 +125,47 @@ def order_current(fence: Fence, stream: torch.cuda.Stream | None = None) -> None
     fence.order(stream if stream is not None else current_stream(fence.device))
 
 
-def room_above_peak(dev: torch.device, seen: int = 0) -> int:
-    """Bytes this process could still allocate on ``dev`` above its allocator's peak (since the
-    peak's last reset), or above ``seen`` if higher (a peak read earlier, before a reset): the
-    device's free memory plus what the caching allocator holds unused, within the per-process
-    fraction if one is set (``set_per_process_memory_fraction``)."""
+def room_above_peak(dev: torch.device, seen: int = 0, since: int | None = None) -> int:
+    """Bytes this process could still allocate on ``dev`` above the last step's peak: ``seen`` (a
+    peak read in that step's backward, before any reset), else the allocator's since its reset.
+    With ``since`` (the bytes allocated as that step began), the peak is its growth above them on
+    top of what is allocated now: memory that came between (the optimizer's state after the first
+    step) counts (Note [the step's peak, seen in backward]). The limit is the device's free memory
+    plus what the caching allocator holds unused, within the per-process fraction if one is set
+    (``set_per_process_memory_fraction``)."""
+    peak = seen or allocator_peak(dev)
+    if since is not None:
+        peak = allocated(dev) + max(0, peak - since)
+    return device_limit(dev) - peak
+
+
+def _index(dev: torch.device) -> int:
+    return torch.cuda.current_device() if dev.index is None else dev.index  # "cuda" alone
+
+
+def device_limit(dev: torch.device) -> int:
+    """The most this process may hold on ``dev``: its free memory plus what the caching allocator
+    holds, within the per-process fraction if one is set."""
     with _on(dev):
-        index = torch.cuda.current_device() if dev.index is None else dev.index  # "cuda" alone
+        index = _index(dev)
         free, total = torch.cuda.mem_get_info(index)
         limit = free + torch.cuda.memory_reserved(index)
         fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
         if fraction is not None:  # it refuses a device with no index (torch 2.11, H200 2026-11-27)
             limit = min(limit, int(total * fraction(index)))
-        return limit - max(seen, torch.cuda.max_memory_allocated(index))
+        return limit
 
 
 def allocator_peak(dev: torch.device) -> int:
     """The caching allocator's peak of allocated bytes on ``dev`` since its last reset."""
     with _on(dev):
-        return torch.cuda.max_memory_allocated(torch.cuda.current_device() if dev.index is None else dev.index)
+        return torch.cuda.max_memory_allocated(_index(dev))
+
+
+def allocated(dev: torch.device) -> int:
+    """The bytes the caching allocator has allocated on ``dev`` now."""
+    with _on(dev):
+        return torch.cuda.memory_allocated(_index(dev))
 
 
 class GpuTimer:

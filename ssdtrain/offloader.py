@@ -85,6 +85,7 @@ class Offloader(hooks.SaveHooks):
         self._ordered: tuple = ()  # the last (copy fence, stream) ordered (Offloader._copy_due)
         self._fwd_dev: torch.device | None = None
         self._seen_peak = 0  # the allocator's peak seen in the last backward (Note [the step's peak, seen in backward])
+        self._start_alloc: int | None = None  # bytes allocated as the last forward began (the same Note)
         self._unpacks = 0
         self._pid = os.getpid()
         self._lock = threading.Lock()
@@ -354,7 +355,8 @@ class Offloader(hooks.SaveHooks):
         room = True
         if clock.wants_reference() and self._fwd_dev is not None:  # Note [the reference forward needs room]
             need = REFERENCE_ROOM * clock.sent + REFERENCE_SLACK
-            room = not clock.sent or host_copies.room_above_peak(self._fwd_dev, self._seen_peak) >= need
+            room = not clock.sent or host_copies.room_above_peak(self._fwd_dev, self._seen_peak,
+                                                                 self._start_alloc) >= need
             if not room and not clock.deferred:
                 warnings.warn(
                     f"ssdtrain: the host tier took {clock.sent / 2**30:.2f} GiB off the last step's "
@@ -363,6 +365,8 @@ class Offloader(hooks.SaveHooks):
                     RuntimeWarning, stacklevel=4)
         clock.begin(room)
         self._seen_peak = self._unpacks = 0
+        if self._fwd_dev is not None and clock.reference is None:
+            self._start_alloc = host_copies.allocated(self._fwd_dev)
         if self._fwd_dev is not None:
             self._fwd_timer = host_copies.GpuTimer(self._fwd_dev)
 
@@ -383,7 +387,11 @@ class Offloader(hooks.SaveHooks):
     # does) leaves the model's bytes alone, the room looks ample, and that forward runs out of
     # memory (H200, 2026-11-27: recompute+offload at 40960 tokens under a 6 GiB cap, out of memory
     # in the step whose peak the probe had just reset, where recompute alone trains). So the peak
-    # is also read in backward, at unpacks, where the step's peak has just been reached.
+    # is also read in backward, at unpacks, where the step's peak has just been reached. And the
+    # peak counts as its growth above the last forward's start, on top of what is allocated now:
+    # the first step's backward ran before the optimizer had state (1.5 GiB there, made by its
+    # first ``step()``), so that peak with what the tier took off fitted, and the next step's
+    # forward copying nothing, with the state, did not (the same probe, once the peak was seen).
 
 
 PEAK_EVERY = 8

@@ -344,8 +344,9 @@ def test_the_reference_forward_waits_for_room(off_dir, tier_on_cpu, monkeypatch)
             return 0.01
     room = {"bytes": 0}
     monkeypatch.setattr(offloader_mod.host_copies, "GpuTimer", Timer)
-    monkeypatch.setattr(offloader_mod.host_copies, "room_above_peak", lambda dev, seen=0: room["bytes"])
+    monkeypatch.setattr(offloader_mod.host_copies, "room_above_peak", lambda *args: room["bytes"])
     monkeypatch.setattr(offloader_mod.host_copies, "allocator_peak", lambda dev: 0)
+    monkeypatch.setattr(offloader_mod.host_copies, "allocated", lambda dev: 0)
     model, loss_fn, base, off, steps = _tier_setup(off_dir)
     clock = off._tier.clock
 
@@ -378,7 +379,9 @@ def test_the_reference_forward_waits_for_room(off_dir, tier_on_cpu, monkeypatch)
 def test_the_reference_forward_judges_room_by_the_peak_seen_in_backward(off_dir, tier_on_cpu, monkeypatch):
     """Note [the step's peak, seen in backward]: a loop that resets the allocator's peak between
     steps leaves only the model's bytes in it when the next forward begins; the room for a forward
-    copying nothing is judged from the peak read at backward's unpacks, before the reset."""
+    copying nothing is judged from the peak read at backward's unpacks, before the reset, as its
+    growth above that step's start on top of what is allocated now (the optimizer's state, made
+    after the first step, counts)."""
     class Timer:
         def __init__(self, dev):
             pass
@@ -388,38 +391,48 @@ def test_the_reference_forward_judges_room_by_the_peak_seen_in_backward(off_dir,
 
         def seconds(self):
             return 0.01
-    limit, model_bytes = 8 << 30, 1 << 30
-    alloc = {"peak": model_bytes}  # the allocator's high-water mark since the user's last reset
+    GiB = 1 << 30
+    mem = {"now": GiB, "peak": GiB}  # the allocator: bytes allocated, and its high-water mark since a reset
     looks = []
 
     def allocator_peak(dev):
-        looks.append(alloc["peak"])
-        return alloc["peak"]
+        looks.append(mem["peak"])
+        return mem["peak"]
     monkeypatch.setattr(offloader_mod.host_copies, "GpuTimer", Timer)
+    monkeypatch.setattr(offloader_mod.host_copies, "device_limit", lambda dev: 8 * GiB)
     monkeypatch.setattr(offloader_mod.host_copies, "allocator_peak", allocator_peak)
-    monkeypatch.setattr(offloader_mod.host_copies, "room_above_peak",
-                        lambda dev, seen=0: limit - max(seen, alloc["peak"]))
+    monkeypatch.setattr(offloader_mod.host_copies, "allocated", lambda dev: mem["now"])
     model, loss_fn, base, off, steps = _tier_setup(off_dir)
     clock = off._tier.clock
 
-    def user_step(peak):
-        alloc["peak"] = peak  # reached in this step, seen at its unpacks
+    def user_step(growth):
+        """A step whose peak is ``growth`` above its start, then the user's reset of the peak."""
+        mem["peak"] = mem["now"] + growth  # reached in this step, seen at its unpacks
         copied = _copied(steps())
-        alloc["peak"] = model_bytes  # torch.cuda.reset_peak_memory_stats() after the step
+        mem["peak"] = mem["now"]  # torch.cuda.reset_peak_memory_stats()
         return copied
     try:
-        first = user_step(limit - (64 << 20))  # near the limit: no room for what the tier took off
-        off._fwd_dev = torch.device("cpu")
-        clock.rate = 1e9
+        off._fwd_dev = torch.device("cpu")  # as the first CUDA save sets it: its forwards are watched
+        slack = offloader_mod.REFERENCE_SLACK
+        # The first step (no copy rate yet: it copies everything) peaks 1 GiB above its start; then
+        # the optimizer makes its state, and the user resets the peak.
+        first = user_step(GiB)
+        need = int(offloader_mod.REFERENCE_ROOM * clock.sent) + slack
+        state = 8 * GiB - 2 * GiB - need + (1 << 20)
+        mem["now"] += state
+        mem["peak"] = mem["now"]
+        assert 8 * GiB - 2 * GiB >= need  # the step's peak alone left room: the state did not
+        clock.rate = 1e9  # measured on the copy thread
         with pytest.warns(RuntimeWarning, match="no room to measure a forward without it"):
-            assert user_step(limit - (64 << 20)) == first
-        assert looks and clock.limit is None and clock.deferred == 1  # read at unpacks, not trusted to the reset
-        assert user_step(model_bytes + (1 << 20)) > 0 and clock.deferred == 2  # deferred as the step began
-        # That step's peak left room: the next forward is measured, copying nothing; then learned
-        assert user_step(model_bytes + (1 << 20)) == 0 and clock.limit == 0
+            assert user_step(GiB) == first
+        assert looks and clock.limit is None and clock.deferred == 1
+        # The same growth, seen at that step's unpacks though the user reset the peak after it
+        assert user_step(GiB - (2 << 20)) > 0.9 * first and clock.limit is None and clock.deferred == 2
+        # That step grew 2 MiB less: room now, so the next forward is measured, copying nothing
+        assert user_step(0) == 0 and clock.limit == 0 and clock.deferred == 2
         seen = len(looks)
-        assert user_step(model_bytes) > 0 and clock.reference == 0.01
-        assert len(looks) == seen  # learned: the allocator's statistics are not read again
+        assert user_step(0) > 0 and clock.reference == 0.01  # learned
+        assert len(looks) == seen  # and the allocator's statistics are not read again
         assert_same(base, step(model, loss_fn, off))
     finally:
         off.close()

@@ -126,7 +126,7 @@ def test_no_step_keeps_everything_where_there_is_no_room(tmp_path, sleep, monkey
     """Note [the reference forward needs room]: with no room above the last peak for what the
     tier took off it, no forward is measured with no copy: every step's peak stays low (the tier
     copies what it can, due by the forward before), a warning says so once, gradients exact."""
-    monkeypatch.setattr(ssdtrain.host_copies, "room_above_peak", lambda dev: 0)
+    monkeypatch.setattr(ssdtrain.host_copies, "room_above_peak", lambda *args: 0)
     layers, x = _slow_layers()
     base_peak, want = _slow_step(layers, x, None, sleep)
     off = ssdtrain.Offloader(layers, path=str(tmp_path), host_bytes="2GiB")
