@@ -328,22 +328,26 @@ def test_the_copy_clock_counts_saves_kept_at_once(off_dir, tier_on_cpu):
         off.close()
 
 
+class _TenMsTimer:
+    """A GpuTimer's fake: every forward took 10 ms on the device."""
+
+    def __init__(self, dev):
+        pass
+
+    def stop(self, dev):
+        pass
+
+    def seconds(self):
+        return 0.01
+
+
 def test_the_reference_forward_waits_for_room(off_dir, tier_on_cpu, monkeypatch):
     """Note [the reference forward needs room]: the forward measured with no copy keeps on the
     device what the tier took off the last peak; where the device has no room for that, the forward
     copies as before (and says so once), meanwhile with due positions from the forward before, and
     is measured once there is room."""
-    class Timer:  # a forward of 10 ms on the device
-        def __init__(self, dev):
-            pass
-
-        def stop(self, dev):
-            pass
-
-        def seconds(self):
-            return 0.01
     room = {"bytes": 0}
-    monkeypatch.setattr(offloader_mod.host_copies, "GpuTimer", Timer)
+    monkeypatch.setattr(offloader_mod.host_copies, "GpuTimer", _TenMsTimer)
     monkeypatch.setattr(offloader_mod.host_copies, "room_above_peak", lambda *args: room["bytes"])
     monkeypatch.setattr(offloader_mod.host_copies, "allocator_peak", lambda dev: 0)
     monkeypatch.setattr(offloader_mod.host_copies, "allocated", lambda dev: 0)
@@ -382,15 +386,6 @@ def test_the_reference_forward_judges_room_by_the_peak_seen_in_backward(off_dir,
     copying nothing is judged from the peak read at backward's unpacks, before the reset, as its
     growth above that step's start on top of what is allocated now (the optimizer's state, made
     after the first step, counts)."""
-    class Timer:
-        def __init__(self, dev):
-            pass
-
-        def stop(self, dev):
-            pass
-
-        def seconds(self):
-            return 0.01
     GiB = 1 << 30
     mem = {"now": GiB, "peak": GiB}  # the allocator: bytes allocated, and its high-water mark since a reset
     looks = []
@@ -398,7 +393,7 @@ def test_the_reference_forward_judges_room_by_the_peak_seen_in_backward(off_dir,
     def allocator_peak(dev):
         looks.append(mem["peak"])
         return mem["peak"]
-    monkeypatch.setattr(offloader_mod.host_copies, "GpuTimer", Timer)
+    monkeypatch.setattr(offloader_mod.host_copies, "GpuTimer", _TenMsTimer)
     monkeypatch.setattr(offloader_mod.host_copies, "device_limit", lambda dev: 8 * GiB)
     monkeypatch.setattr(offloader_mod.host_copies, "allocator_peak", allocator_peak)
     monkeypatch.setattr(offloader_mod.host_copies, "allocated", lambda dev: mem["now"])
