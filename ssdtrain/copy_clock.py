@@ -7,13 +7,16 @@ which forward position that copy is done. Its rules are the two notes below.
 
 from __future__ import annotations
 
-__all__ = ["COPY_SHARE", "DUE_MARGIN", "CopyClock"]
+__all__ = ["CHEAP_SHARE", "COPY_SHARE", "DUE_MARGIN", "CopyClock"]
 
 COPY_SHARE = 0.9
 """Of what the copy engine can move during a forward, what a forward is given (Note [copy what
 leaves before the peak])."""
 DUE_MARGIN = 1.1
 """A copy is due when forward has produced this much more than the copy's predicted finish."""
+CHEAP_SHARE = 0.25
+"""A forward that copied every save it offered, in at most this share of its device time, is its
+own reference (Note [a forward whose copies are cheap is its own reference])."""
 
 
 # Note [copy what leaves before the peak]
@@ -52,6 +55,15 @@ DUE_MARGIN = 1.1
 # tier (a GPU test of a fresh Offloader, H200 2026-11-27), and at a length that trains only with
 # the tier the first steps ran out of memory (recompute+offload at 49152 and 65536 tokens under a
 # 6 GiB cap, in the second step). Waiting for copies makes those steps slower, never larger.
+# Note [a forward whose copies are cheap is its own reference]
+# The forward measured copying nothing exists to learn forward's time free of its copies' cost,
+# for a budget that would otherwise grow with it. Where a forward copied every save it offered
+# (the clock refused none) and the copy engine needed at most ``CHEAP_SHARE`` of its device time
+# for them, that budget cannot grow past what is copied already, and copying made the forward no
+# longer than a quarter: it is taken as the reference, and no forward keeps everything on the
+# device. That is recompute+offload's case (a few large block inputs, about 60 ms of copies in a
+# 500 ms forward at 65536 tokens on an H200), where a forward copying nothing holds recompute's
+# peak, at a length that only trains with the tier: it ran out of memory there (2026-11-27).
 class CopyClock:
     """Positions in a forward, in bytes produced (see the Note); what a forward may copy."""
 
@@ -66,10 +78,13 @@ class CopyClock:
         self.reference: float | None = None  # device seconds of a forward that copied nothing
         self.total = 0  # bytes that forward produced: where the peak is, in forward positions
         self.deferred = 0  # forwards not measured for want of room (Note [the reference forward needs room])
+        self.timed = False  # a forward was timed with the copy rate known (learn was told its seconds)
 
     def wants_reference(self) -> bool:
-        """Whether the next forward is to be measured, copying nothing."""
-        return self.reference is None and self.rate is not None
+        """Whether the next forward is to be measured, copying nothing: once the copy rate is
+        known and a forward that copied was timed (it may be the reference itself: Note [a forward
+        whose copies are cheap is its own reference])."""
+        return self.reference is None and self.rate is not None and self.timed
 
     def begin(self, room: bool = True) -> None:
         """A forward begins; with the copy rate known and no reference yet, it copies nothing
@@ -122,6 +137,12 @@ class CopyClock:
         step where 1.2 moved before the peak, and the step x2.1)."""
         if not seconds or seconds <= 0 or not self.rate or produced <= 0:
             return
+        self.timed = True
+        if self.reference is None and self.limit != 0 and not self.closed and \
+                self.sent <= CHEAP_SHARE * self.rate * seconds:
+            # Note [a forward whose copies are cheap is its own reference]
+            self.reference = seconds
+            self.total = produced
         if self.reference is None:
             if self.limit != 0:  # it copied: not a measure of forward alone
                 if self.deferred and self.limit is None:

@@ -143,6 +143,36 @@ def test_copy_clock_budget_and_due_positions():
     assert clock.is_due(d1)
 
 
+def test_a_forward_whose_copies_are_cheap_is_its_own_reference():
+    """Note [a forward whose copies are cheap is its own reference]: a forward that copied every
+    save it offered, in at most a quarter of its device time, sets the budget; no forward is made
+    to copy nothing (recompute+offload's few block inputs at a length only the tier fits)."""
+    clock = CopyClock()
+    clock.rate = 50e9
+    clock.begin()
+    assert clock.limit is None and not clock.wants_reference()  # no forward timed yet: copies
+    clock.produced(3 * 10**9)
+    assert clock.allows(3 * 10**9)
+    clock.learn(0.5, 3 * 10**9)  # 3 GB in 60 ms of copy, a 500 ms forward
+    assert clock.reference == 0.5 and not clock.wants_reference()
+    assert clock.limit == int(COPY_SHARE * 50e9 * 0.5) and clock.ratio == pytest.approx(3e9 / 0.5 / 50e9)
+    clock.begin()
+    assert clock.limit > 0 and clock.allows(3 * 10**9)  # the next forward copies them again
+    # Copies that took more than a quarter of forward (7 GB of the bench's saves in 140 ms), or a
+    # forward the clock refused a copy: measured again, copying nothing
+    for sent, refused in ((7 * 10**9, False), (10**9, True)):
+        clock = CopyClock()
+        clock.rate = 50e9
+        clock.begin()
+        clock.produced(sent)
+        assert clock.allows(sent)
+        clock.closed = refused
+        clock.learn(0.14, sent)
+        assert clock.reference is None and clock.wants_reference()
+        clock.begin()
+        assert clock.limit == 0
+
+
 def test_auto_size_is_a_share_of_ram_divided_among_local_ranks():
     one, why = auto_host_bytes({})
     four, _ = auto_host_bytes({"LOCAL_WORLD_SIZE": "4"})
@@ -315,7 +345,9 @@ def test_the_copy_clock_counts_saves_kept_at_once(off_dir, tier_on_cpu):
     try:
         assert forward() > 0  # nothing learned: every save copied, each with an entry
         produced = clock.pos
-        clock.rate = 1e9  # the copy rate is known: the next forward is measured, copying nothing
+        clock.rate = 1e9  # the copy rate is known, and that forward's time (not cheap: 6 MB of copies)
+        clock.learn(0.01, produced)
+        assert clock.reference is None  # so the next forward is measured, copying nothing
         assert forward() == 0 and clock.limit == 0 and clock.closed
         # (views of one storage saved with different extents count once kept at once)
         assert clock.pos == pytest.approx(produced, rel=0.01)
@@ -361,9 +393,13 @@ def test_the_reference_forward_waits_for_room(off_dir, tier_on_cpu, monkeypatch)
         assert first > 0
         off._fwd_dev = torch.device("cpu")  # as a CUDA save sets it: timed from the next forward on
         clock.rate = 1e9
+        # Its forward was not timed: the next copies as before, and is timed (its copies are not
+        # cheap: 6 MB against a quarter of 10 ms at 1 GB/s), so it is not the reference itself
+        assert forward() == first and clock.limit is None and clock.deferred == 0
         with pytest.warns(RuntimeWarning, match="no room to measure a forward without it"):
             again = forward()
         assert again == first and clock.limit is None and clock.deferred == 1 and clock.ratio is None
+        assert clock.reference is None and clock.timed
         # Still no room: copied, due by the last forward (the saves whose copy would end after it refused)
         assert 0.9 * first <= forward() < first and clock.deferred == 2
         produced = clock.pos

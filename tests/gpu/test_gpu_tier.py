@@ -126,7 +126,12 @@ def test_no_step_keeps_everything_where_there_is_no_room(tmp_path, sleep, monkey
     """Note [the reference forward needs room]: with no room above the last peak for what the
     tier took off it, no forward is measured with no copy: every step's peak stays low (the tier
     copies what it can, due by the forward before), a warning says so once, gradients exact."""
+    from ssdtrain import copy_clock
+
     monkeypatch.setattr(ssdtrain.host_copies, "room_above_peak", lambda *args: 0)
+    # These copies (7 ms in a 60 ms forward) are cheap: no forward would be made to copy nothing
+    # (the test below). Here every forward's copies count as dear, so the room decides.
+    monkeypatch.setattr(copy_clock, "CHEAP_SHARE", 0.0)
     layers, x = _slow_layers()
     base_peak, want = _slow_step(layers, x, None, sleep)
     off = ssdtrain.Offloader(layers, path=str(tmp_path), host_bytes="2GiB")
@@ -147,6 +152,31 @@ def test_no_step_keeps_everything_where_there_is_no_room(tmp_path, sleep, monkey
     assert all(torch.equal(a, b) for a, b in zip(want, got))
     # The last three steps (due positions known) copied: none kept all on the device.
     assert max(peaks[-3:]) <= base_peak - 0.25 * SAVED, (base_peak, peaks)
+
+
+def test_cheap_copies_never_make_a_forward_keep_everything(tmp_path, sleep):
+    """Note [a forward whose copies are cheap is its own reference]: the slow layers' copies take
+    about 7 ms of a 60 ms forward, so a forward that copied them all is the reference: no step
+    keeps everything on the device (at a length that only trains with the tier, such a step ran
+    out of memory), every step's peak falls, gradients exact."""
+    layers, x = _slow_layers()
+    base_peak, want = _slow_step(layers, x, None, sleep)
+    off = ssdtrain.Offloader(layers, path=str(tmp_path), host_bytes="2GiB")
+    peaks, copied = [], []
+    try:
+        for _ in range(6):
+            before = off.stats().host_copied_bytes
+            peak, got = _slow_step(layers, x, off, sleep)
+            off.wait()
+            peaks.append(peak)
+            copied.append(off.stats().host_copied_bytes - before)
+        clock = off._tier.clock
+        assert clock.reference is not None and clock.deferred == 0, (clock.reference, clock.deferred)
+    finally:
+        off.close()
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert min(copied) >= 0.5 * SAVED, copied
+    assert max(peaks) <= base_peak - 0.25 * SAVED, (base_peak, peaks)
 
 
 def test_room_above_peak_follows_the_peak_and_the_fraction():
