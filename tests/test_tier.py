@@ -416,6 +416,33 @@ def test_the_reference_forward_waits_for_room(off_dir, tier_on_cpu, monkeypatch)
         off.close()
 
 
+def test_an_offloader_whose_copies_are_cheap_never_keeps_a_forward_on_the_device(off_dir, tier_on_cpu,
+                                                                                 monkeypatch):
+    """Note [a forward whose copies are cheap is its own reference], through the engine: forwards
+    of 10 s on the device, a few MB of copies at 1 GB/s: every forward copies, none is made to
+    copy nothing, and the budget is learned from the first one timed."""
+    class LongForward(_TenMsTimer):
+        def seconds(self):
+            return 10.0
+    monkeypatch.setattr(offloader_mod.host_copies, "GpuTimer", LongForward)
+    monkeypatch.setattr(offloader_mod.host_copies, "allocated", lambda dev: 0)
+    monkeypatch.setattr(offloader_mod.host_copies, "allocator_peak", lambda dev: 0)
+    monkeypatch.setattr(offloader_mod.host_copies, "room_above_peak", lambda *args: 1 << 40)  # room: not asked
+    model, loss_fn, base, off, steps = _tier_setup(off_dir)
+    clock = off._tier.clock
+    try:
+        copied = [_copied(steps())]
+        off._fwd_dev = torch.device("cpu")  # as the first CUDA save sets it
+        clock.rate = 1e9
+        for _ in range(3):
+            copied.append(_copied(steps()))
+        assert min(copied) >= 0.99 * copied[0] > 0, copied  # (a last save of 4 bytes due after forward's end)
+        assert clock.reference == 10.0 and clock.deferred == 0 and clock.limit == int(COPY_SHARE * 1e9 * 10)
+        assert_same(base, step(model, loss_fn, off))
+    finally:
+        off.close()
+
+
 def test_the_reference_forward_judges_room_by_the_peak_seen_in_backward(off_dir, tier_on_cpu, monkeypatch):
     """Note [the step's peak, seen in backward]: a loop that resets the allocator's peak between
     steps leaves only the model's bytes in it when the next forward begins; the room for a forward
