@@ -141,7 +141,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=8,
+                    help="rounds before the measured ones: the tier learns its budget, and the host paces it")
     ap.add_argument("--modes", default="baseline,recompute,offload,recompute+offload,save_on_cpu,streamed_pinned")
     ap.add_argument("--path", default=None)
     ap.add_argument("--host-bytes", default=None, help="the offloaders' host_bytes (default: theirs)")
@@ -213,7 +214,7 @@ def main(argv=None) -> int:
                 drive = sum(s.written_bytes_by_path.values()) - sum(before.written_bytes_by_path.values())
                 row.update(host_copied=s.host_copied_bytes - before.host_copied_bytes, drive=drive,
                            tier_peak=s.host_tier_peak_bytes, spilled=s.spilled_bytes - before.spilled_bytes,
-                           stall=s.stall_seconds - before.stall_seconds)
+                           stall=s.stall_seconds - before.stall_seconds, copy_limit=s.host_copy_limit_bytes or 0)
                 offs[mode].wait()
             if r >= args.warmup:
                 rows[mode].append(row)
@@ -246,7 +247,7 @@ def main(argv=None) -> int:
         if "host_copied" in v:
             line += (f"; per step: tier took {v['host_copied'] / 2**30:.2f} GiB, drive {v['drive'] / 2**30:.2f},"
                      f" stall {v['stall'] * 1e3:.1f} ms,"
-                     f" tier peak {v['tier_peak'] / 2**30:.2f}")
+                     f" tier peak {v['tier_peak'] / 2**30:.2f}, copy budget {v['copy_limit'] / 2**30:.2f} GiB")
         print(line, flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -7,13 +7,18 @@ which forward position that copy is done. Its rules are the two notes below.
 
 from __future__ import annotations
 
-__all__ = ["CHEAP_SHARE", "COPY_SHARE", "DUE_MARGIN", "CopyClock"]
+__all__ = ["CHEAP_SHARE", "COPY_SHARE", "DUE_MARGIN", "HOST_STRETCH", "PROBE_SHARE", "CopyClock"]
 
 COPY_SHARE = 0.9
 """Of what the copy engine can move during a forward, what a forward is given (Note [copy what
 leaves before the peak])."""
 DUE_MARGIN = 1.1
 """A copy is due when forward has produced this much more than the copy's predicted finish."""
+HOST_STRETCH = 0.05
+"""How much longer than its reference the host may take over a forward for its copies (Note [the
+host paces the copies])."""
+PROBE_SHARE = 0.02
+"""Of the copy engine's budget, what a forward paced to no copies still copies, to measure again."""
 CHEAP_SHARE = 0.25
 """A forward that copied every save it offered, in at most this share of its device time, is its
 own reference (Note [a forward whose copies are cheap is its own reference])."""
@@ -55,6 +60,20 @@ own reference (Note [a forward whose copies are cheap is its own reference])."""
 # tier (a GPU test of a fresh Offloader, H200 2026-11-27), and at a length that trains only with
 # the tier the first steps ran out of memory (recompute+offload at 49152 and 65536 tokens under a
 # 6 GiB cap, in the second step). Waiting for copies makes those steps slower, never larger.
+# Note [the host paces the copies]
+# The copy engine's budget counts device time; each copy also costs the training thread (its
+# save's entry, the copy's queueing: 30-200 us a copy on an H200's host, 2026-11-27), and where
+# the host sets forward's pace that cost lengthens the step: a slower H200 host ran `offload` at
+# x1.24-1.38 of baseline, copying 134% of what the engine could move before the peak. So the
+# forward copying nothing also gives the host's time (its saves all kept: the hooks' own cost
+# counted), and after each forward that copied, the bytes the next may copy are scaled by how far
+# the host's time went past, or stayed under, ``HOST_STRETCH`` over the longer of that forward's
+# device and host times (the host's time taken as linear in the copies; growth at most x1.25 a
+# forward; never under ``PROBE_SHARE`` of the engine's budget, so the cost is measured again).
+# A host far ahead of its device (GPU-bound) leaves the engine's budget as it is. A forward whose
+# copies were cheap enough to be its own reference has no host time without copies, and is not
+# paced: its copies are few.
+
 # Note [a forward whose copies are cheap is its own reference]
 # The forward measured copying nothing exists to learn forward's time free of its copies' cost,
 # for a budget that would otherwise grow with it. Where a forward copied every save it offered
@@ -79,6 +98,8 @@ class CopyClock:
         self.total = 0  # bytes that forward produced: where the peak is, in forward positions
         self.deferred = 0  # forwards not measured for want of room (Note [the reference forward needs room])
         self.timed = False  # a forward was timed with the copy rate known (learn was told its seconds)
+        self.host_reference: float | None = None  # host seconds of the forward that copied nothing
+        self.host_limit: int | None = None  # bytes the host's pace allows (Note [the host paces the copies])
 
     def wants_reference(self) -> bool:
         """Whether the next forward is to be measured, copying nothing: once the copy rate is
@@ -127,8 +148,9 @@ class CopyClock:
     def is_due(self, due: float) -> bool:
         return self.pos >= due
 
-    def learn(self, seconds: float | None, produced: int) -> None:
-        """A forward that produced ``produced`` bytes took ``seconds`` on the device.
+    def learn(self, seconds: float | None, produced: int, host: float | None = None) -> None:
+        """A forward that produced ``produced`` bytes took ``seconds`` on the device (``host``: on
+        the host, between the same two points).
 
         Only a forward that copied nothing is learned from (the first after the copy rate is
         known), and then a shorter one: a forward's own copies lengthen it (the host's work for
@@ -153,7 +175,27 @@ class CopyClock:
                 return
             self.reference = seconds
             self.total = produced
+            self.host_reference = host
+        elif self.limit != 0 and self.host_reference is not None and host is not None:
+            self._pace(host)  # a forward that copied, after the reference: Note [the host paces the copies]
         if seconds <= self.reference:
             self.reference, self.total = seconds, produced
         self.ratio = produced / self.reference / self.rate
         self.limit = int(COPY_SHARE * self.rate * self.reference)
+        if self.host_limit is not None:
+            self.limit = min(self.limit, self.host_limit)
+
+    def _pace(self, host: float) -> None:
+        """Note [the host paces the copies]: the last forward copied ``sent`` bytes in ``host``
+        seconds of the host's time; the bytes the next may copy, for the host's time to stay within
+        ``HOST_STRETCH`` of the longer of the reference's device and host times."""
+        engine = int(COPY_SHARE * self.rate * self.reference)
+        target = max(self.reference, self.host_reference) * (1 + HOST_STRETCH)
+        over, room = host - self.host_reference, target - self.host_reference
+        scale = 1.25 if over <= 0 else min(1.25, room / over)  # the host's time taken as linear in the copies
+        now = engine if self.host_limit is None else self.host_limit
+        if host > target:
+            now = int(self.sent * scale)
+        else:
+            now = max(now, int(self.sent * scale))
+        self.host_limit = min(engine, max(now, int(PROBE_SHARE * engine)))

@@ -9,6 +9,7 @@ initialises CUDA unless a CUDA tensor is offloaded. GPU-ONLY CODE: run by ``test
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -170,21 +171,29 @@ def allocated(dev: torch.device) -> int:
 
 class GpuTimer:
     """Device time between two points of the training thread's current stream (a forward's
-    start and end), read later without waiting: timing events, never synchronised."""
+    start and end), read later without waiting: timing events, never synchronised; and the
+    host's time between the same two points."""
 
-    __slots__ = ("start", "end")
+    __slots__ = ("start", "end", "host_start", "host_end")
 
     def __init__(self, dev: torch.device) -> None:
         with _on(dev):
             self.start = torch.cuda.Event(enable_timing=True)
             self.start.record(torch.cuda.current_stream(dev))
         self.end: torch.cuda.Event | None = None
+        self.host_start = time.perf_counter()
+        self.host_end: float | None = None
 
     def stop(self, dev: torch.device) -> None:
         if self.end is None:
             with _on(dev):
                 self.end = torch.cuda.Event(enable_timing=True)
                 self.end.record(torch.cuda.current_stream(dev))
+            self.host_end = time.perf_counter()
+
+    def host_seconds(self) -> float | None:
+        """The host's time between the two points (``None`` before the second)."""
+        return None if self.host_end is None else self.host_end - self.host_start
 
     def seconds(self) -> float | None:
         """The time between the two points, once the device passed both (else ``None``)."""

@@ -351,7 +351,7 @@ class Offloader(hooks.SaveHooks):
         clock = self._tier.clock
         timer, self._fwd_timer = self._fwd_timer, None
         if timer is not None:
-            clock.learn(timer.seconds(), clock.pos)
+            clock.learn(timer.seconds(), clock.pos, timer.host_seconds())
         room = True
         if clock.wants_reference() and self._fwd_dev is not None:  # Note [the reference forward needs room]
             need = REFERENCE_ROOM * clock.sent + REFERENCE_SLACK

@@ -368,6 +368,7 @@ class TieredBackend(Backend):
         """Sets the tier's fields of an :class:`~ssdtrain.stats.OffloadStats`."""
         with self._lock:
             snap.host_copied_bytes, snap.host_read_bytes, snap.spilled_bytes = self.copied, self.read, self.spilled
+        snap.host_copy_limit_bytes = self.clock.limit if self.clock.reference is not None else None
         pool = self.pool
         if pool is not None:
             snap.host_tier_bytes, snap.host_tier_peak_bytes = pool.used, pool.peak

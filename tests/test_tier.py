@@ -14,7 +14,7 @@ import ssdtrain
 from ssdtrain import offloader as offloader_mod
 from ssdtrain.bench.models import GPT, GPTConfig
 from ssdtrain.config import OffloadConfig
-from ssdtrain.copy_clock import COPY_SHARE, DUE_MARGIN, CopyClock
+from ssdtrain.copy_clock import COPY_SHARE, DUE_MARGIN, HOST_STRETCH, PROBE_SHARE, CopyClock
 from ssdtrain.tier import HostPool, auto_host_bytes
 
 from _equiv import assert_same, step
@@ -171,6 +171,64 @@ def test_a_forward_whose_copies_are_cheap_is_its_own_reference():
         assert clock.reference is None and clock.wants_reference()
         clock.begin()
         assert clock.limit == 0
+
+
+def _reference_clock(device_s: float, host_s: float) -> CopyClock:
+    """A copy clock at 50 GB/s whose reference forward took ``device_s`` on the device and
+    ``host_s`` on the host (6 GB produced: not cheap to copy)."""
+    clock = CopyClock()
+    clock.rate = 50e9
+    clock.begin()
+    clock.produced(6 * 10**9)
+    assert clock.allows(6 * 10**9)
+    clock.learn(0.03, 6 * 10**9, host=0.03)  # timed, its copies dear: the next forward is the reference
+    clock.begin()
+    assert clock.limit == 0
+    clock.learn(device_s, 6 * 10**9, host=host_s)
+    assert clock.reference == device_s and clock.host_reference == host_s
+    return clock
+
+
+def _copying_forward(clock: CopyClock, host_s: float, device_s: float = 0.03) -> int:
+    """A forward that copies all its budget allows, whose host took ``host_s``; returns the bytes
+    the next may copy."""
+    clock.begin()
+    clock.produced(10**6)
+    sent = clock.limit - clock.limit % 1000
+    assert clock.allows(sent)
+    clock.learn(device_s, 6 * 10**9, host=host_s)
+    return clock.limit
+
+
+def test_the_host_paces_the_copies():
+    """Note [the host paces the copies]: where the host sets forward's pace (its reference forward
+    took 25 ms against the device's 20), a forward whose copies took the host 10 ms longer gives
+    the next only what keeps the host within 5% (the host's time linear in the copies); under
+    that, the budget grows again by at most x1.25 a forward, up to the copy engine's."""
+    clock = _reference_clock(0.02, 0.025)
+    engine = int(COPY_SHARE * 50e9 * 0.02)
+    assert clock.limit == engine and clock.host_limit is None
+    paced = _copying_forward(clock, host_s=0.035)
+    target = 0.025 * (1 + HOST_STRETCH)
+    assert paced == pytest.approx(engine * (target - 0.025) / 0.010, rel=0.01)  # an eighth of it
+    grown = _copying_forward(clock, host_s=0.0255)  # well under the target: x1.25
+    assert grown == pytest.approx(1.25 * paced, rel=0.01)
+    # Far over, with little copied: never under PROBE_SHARE of the engine's budget (to measure again)
+    clock.host_limit = clock.limit = 1000
+    assert _copying_forward(clock, host_s=0.1) == int(PROBE_SHARE * engine)
+    for _ in range(40):  # the host within its target: back up to the engine's budget, no further
+        last = _copying_forward(clock, host_s=0.025)
+    assert last == engine
+
+
+def test_a_host_ahead_of_its_device_leaves_the_engines_budget():
+    """A GPU-bound forward (the host 12 ms, the device 20): copies that take the host 6 ms more
+    leave it within the device's time, so the copy engine's budget stands."""
+    clock = _reference_clock(0.02, 0.012)
+    engine = int(COPY_SHARE * 50e9 * 0.02)
+    assert _copying_forward(clock, host_s=0.018) == engine
+    assert _copying_forward(clock, host_s=0.0205) == engine  # within 5% of the device's 20 ms
+    assert _copying_forward(clock, host_s=0.03) < engine  # past it: paced
 
 
 def test_auto_size_is_a_share_of_ram_divided_among_local_ranks():
@@ -372,6 +430,9 @@ class _TenMsTimer:
     def seconds(self):
         return 0.01
 
+    def host_seconds(self):
+        return None  # the host's time not given: the copies are not paced by it
+
 
 def test_the_reference_forward_waits_for_room(off_dir, tier_on_cpu, monkeypatch):
     """Note [the reference forward needs room]: the forward measured with no copy keeps on the
@@ -438,6 +499,7 @@ def test_an_offloader_whose_copies_are_cheap_never_keeps_a_forward_on_the_device
             copied.append(_copied(steps()))
         assert min(copied) >= 0.99 * copied[0] > 0, copied  # (a last save of 4 bytes due after forward's end)
         assert clock.reference == 10.0 and clock.deferred == 0 and clock.limit == int(COPY_SHARE * 1e9 * 10)
+        assert off.stats().host_copy_limit_bytes == clock.limit
         assert_same(base, step(model, loss_fn, off))
     finally:
         off.close()
