@@ -37,8 +37,9 @@ def test_pool_pins_slabs_as_it_fills_and_never_beyond_capacity():
     assert pool.allocate(MiB) is None  # nothing pinned yet: the first slab is pinned now
     assert pool.pinned == 4 * MiB
     exts = [pool.allocate(MiB) for _ in range(3)]
-    assert all(e is not None for e in exts)
-    assert pool.pinned == 8 * MiB  # past half of the first slab: a second one, ahead of need
+    assert all(e is not None for e in exts) and pool.pinned == 4 * MiB  # 3 of 4 MiB: under GROW_AT
+    exts.append(pool.allocate(MiB // 2))
+    assert pool.pinned == 8 * MiB  # past GROW_AT of the first slab: a second one, ahead of need
     more = [pool.allocate(MiB) for _ in range(8)]
     got = [e for e in more if e is not None]
     assert pool.pinned == 10 * MiB  # the last slab is what the capacity leaves
