@@ -52,6 +52,7 @@ own reference (Note [a forward whose copies are cheap is its own reference])."""
 # same H200 and cap (a later call), recompute+offload ran out of memory at 40960 tokens, where
 # recompute trains, asking 512 MiB with 169-228 MiB of the cap reserved but unallocated. Which of
 # its steps did is not known (no GPU since): this margin is a guess at the cause, not a proof.
+
 # Note [a first step's copies are due at once]: before the rates are known (the first steps, and
 # those whose reference forward waits for room), a copy is due as soon as it is queued: it is
 # released, in stream order, at the next look, and the compute stream waits for it from there.
@@ -60,6 +61,7 @@ own reference (Note [a forward whose copies are cheap is its own reference])."""
 # tier (a GPU test of a fresh Offloader, H200 2026-11-27), and at a length that trains only with
 # the tier the first steps ran out of memory (recompute+offload at 49152 and 65536 tokens under a
 # 6 GiB cap, in the second step). Waiting for copies makes those steps slower, never larger.
+
 # Note [the host paces the copies]
 # The copy engine's budget counts device time; each copy also costs the training thread (its
 # save's entry, the copy's queueing: 30-200 us a copy on an H200's host, 2026-11-27), and where
@@ -77,7 +79,8 @@ own reference (Note [a forward whose copies are cheap is its own reference])."""
 # Note [a forward whose copies are cheap is its own reference]
 # The forward measured copying nothing exists to learn forward's time free of its copies' cost,
 # for a budget that would otherwise grow with it. Where a forward copied every save it offered
-# (the clock refused none) and the copy engine needed at most ``CHEAP_SHARE`` of its device time
+# (no limit refused one; a last save whose copy would end after forward's end may stay) and the
+# copy engine needed at most ``CHEAP_SHARE`` of its device time
 # for them, that budget cannot grow past what is copied already, and copying made the forward no
 # longer than a quarter: it is taken as the reference, and no forward keeps everything on the
 # device. That is recompute+offload's case (a few large block inputs, about 60 ms of copies in a
@@ -94,6 +97,7 @@ class CopyClock:
         self.tail = 0.0
         self.sent = 0
         self.closed = False  # this forward was refused a copy: the rest of it is kept
+        self.limited = False  # ... by the limit (not for a copy due after forward's end)
         self.reference: float | None = None  # device seconds of a forward that copied nothing
         self.total = 0  # bytes that forward produced: where the peak is, in forward positions
         self.deferred = 0  # forwards not measured for want of room (Note [the reference forward needs room])
@@ -112,7 +116,7 @@ class CopyClock:
         (it is measured for the reference), unless the device has no ``room`` for what the last
         forward copied: then it copies as before the rate was known."""
         last = self.sent
-        self.pos, self.tail, self.sent, self.closed = 0, 0.0, 0, False
+        self.pos, self.tail, self.sent, self.closed, self.limited = 0, 0.0, 0, False, False
         if self.wants_reference():
             if room or not last:
                 self.limit = 0
@@ -129,7 +133,7 @@ class CopyClock:
         limit, and due before forward's end (a copy done after the peak frees nothing that
         matters; its bytes would only come back again)."""
         if self.limit is not None and self.sent + nbytes > self.limit:
-            self.closed = True
+            self.closed = self.limited = True
             return False
         if self.ratio is not None and max(self.tail, self.pos) + nbytes * self.ratio * DUE_MARGIN > self.total:
             self.closed = True
@@ -160,7 +164,7 @@ class CopyClock:
         if not seconds or seconds <= 0 or not self.rate or produced <= 0:
             return
         self.timed = True
-        if self.reference is None and self.limit != 0 and not self.closed and \
+        if self.reference is None and self.limit != 0 and not self.limited and \
                 self.sent <= CHEAP_SHARE * self.rate * seconds:
             # Note [a forward whose copies are cheap is its own reference]
             self.reference = seconds

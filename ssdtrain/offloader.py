@@ -370,7 +370,6 @@ class Offloader(hooks.SaveHooks):
         if self._fwd_dev is not None:
             self._fwd_timer = host_copies.GpuTimer(self._fwd_dev)
 
-
     def _see_peak(self) -> None:
         """At an unpack, until the tier has measured a forward copying nothing: remembers the
         allocator's peak (Note [the step's peak, seen in backward]), at the first unpack of a

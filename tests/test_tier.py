@@ -167,11 +167,21 @@ def test_a_forward_whose_copies_are_cheap_is_its_own_reference():
         clock.begin()
         clock.produced(sent)
         assert clock.allows(sent)
-        clock.closed = refused
+        if refused:  # a limit (as a deferred forward's would be) refused the rest
+            clock.limit = sent
+            assert not clock.allows(1) and clock.limited
         clock.learn(0.14, sent)
         assert clock.reference is None and clock.wants_reference()
         clock.begin()
         assert clock.limit == 0
+    # A last save refused as due after forward's end does not make the copies dear
+    clock = CopyClock()
+    clock.rate, clock.ratio, clock.total = 50e9, 0.1, 3 * 10**9
+    clock.begin()
+    clock.produced(3 * 10**9)
+    assert not clock.allows(10**9) and clock.closed and not clock.limited
+    clock.learn(0.5, 3 * 10**9)
+    assert clock.reference == 0.5
 
 
 def _reference_clock(device_s: float, host_s: float) -> CopyClock:
