@@ -375,7 +375,9 @@ class Offloader(hooks.SaveHooks):
         allocator's peak (Note [the step's peak, seen in backward]), at the first unpack of a
         backward and every ``PEAK_EVERY``-th after (the peak is a high-water mark: a later look
         sees an earlier peak; each look costs the allocator's whole statistics)."""
-        if self._unpacks % PEAK_EVERY == 0 and self._fwd_dev is not None and self._tier.clock.reference is None:
+        if self._tier.clock.reference is not None or self._fwd_dev is None:
+            return  # learned (or no CUDA save yet): nothing to watch, at every unpack from here on
+        if self._unpacks % PEAK_EVERY == 0:
             self._seen_peak = max(self._seen_peak, host_copies.allocator_peak(self._fwd_dev))
         self._unpacks += 1
 

@@ -126,7 +126,8 @@ def _child(spec: dict) -> dict:
             partial); returns its seconds."""
             rec: dict[str, Any] = {"step": len(steps) + 1}
             steps.append(rec)
-            _device.reset_memory_peaks(dev)  # as users do each step: the engine must not rely on the peak's age
+            # as users do each step: the engine must not rely on the peak's age
+            rec["start_bytes"] = _device.reset_memory_peaks(dev)
             before = mode.off.stats() if mode.off is not None else None
             try:
                 t0 = time.perf_counter()
@@ -148,8 +149,6 @@ def _child(spec: dict) -> dict:
             t.numel() * t.element_size() for st in mode.opt.state.values() for t in st.values()
             if isinstance(t, torch.Tensor))
         mode.opt.zero_grad(set_to_none=True)
-        start = _device.reset_memory_peaks(dev)
-        _device.synchronize(dev)
         sampler.start()
         out["step_s"] = step()
         growth = sampler.stop()
@@ -163,7 +162,7 @@ def _child(spec: dict) -> dict:
             out["peak_bytes"] = (growth or 0) + model_bytes
             out["model_bytes"], out["growth_bytes"] = model_bytes, growth
             out["fits"] = spec["budget"] is None or out["peak_bytes"] <= spec["budget"]
-        out["start_bytes"] = start
+        out["start_bytes"] = steps[-1]["start_bytes"]
         mode.close()
     except torch.OutOfMemoryError as exc:
         out["oom"], out["error"] = True, f"step {len(out.get('per_step') or [])}: " + str(exc).splitlines()[0]
@@ -173,8 +172,8 @@ def _child(spec: dict) -> dict:
 
 
 def _where_saves_went(mode, before) -> dict:
-    """The measured step's offloading, in bytes: where its saves went (the host tier, the drives,
-    kept on the device), and the tier's state: so that a probe whose peak is not what the mode
+    """A step's offloading, in bytes: where its saves went (the host tier, the drives, kept on
+    the device), and the tier's state: so that a probe whose peak is not what the mode
     promises says why (H200, 2026-11-27: recompute+offload's peak grew 47 KB a token where the
     block inputs it offloads are 48 of recompute's 60)."""
     after = mode.off.stats()
