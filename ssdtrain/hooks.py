@@ -87,7 +87,7 @@ class SaveHooks:
                     if fresh and entry is not None and entry.refs == 0:  # interrupted: nothing holds it
                         self._drop_ref(entry, -1, None)
                     raise
-        if self._writer.pending:
+        if self._writer.pack_pumps:
             self._writer.pump()
         return ref if small is None else small
 

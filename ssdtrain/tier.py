@@ -311,7 +311,43 @@ class TieredBackend(Backend):
         if type(extent) is not HostExtent:
             return self.inner.submit_write(extent, src, checksum=checksum, ready=ready)
         self._check_process()
-        return self._ins.submit((extent, src, ready))
+        return self._ins.submit([(extent, src, ready)])
+
+    def submit_writes(self, requests: list[tuple[Any, torch.Tensor, Any]], *,
+                      checksum: bool = False) -> tuple[list[Future], Future | None]:
+        """Writes of ``(extent, src, ready)``: their futures, in order, and the one future that
+        the host extents' copies share (``None`` if there are none): those are handed to the copy
+        thread together (Note [tier copies are handed over a batch at a time]), the drives'
+        writes one by one."""
+        futures: list[Any] = [None] * len(requests)
+        host = [i for i, (extent, _, _) in enumerate(requests) if type(extent) is HostExtent]
+        shared = None
+        if host:
+            self._check_process()
+            shared = self._ins.submit([requests[i] for i in host])
+            for i in host:
+                futures[i] = shared
+        for i, (extent, src, ready) in enumerate(requests):
+            if futures[i] is None:
+                futures[i] = self.inner.submit_write(extent, src, checksum=checksum, ready=ready)
+        return futures, shared
+
+    # Note [tier copies are handed over a batch at a time]
+    # A tier save's copy is cheap for the device and dear for the host: every microsecond of Python
+    # on any thread is one the training thread, which launches the model's kernels, waits for the
+    # GIL (issue 29: at most 10 us a save). Handed over one by one, each copy made a future, a
+    # completion callback, and a completion that took the engine's lock, woke its waiters and
+    # pumped the queue again: about half of a tier pack's 38-41 us on the CPU (2026-11-27,
+    # benchmarks/cpu-results/2026-11-27-pack-cost/isolated_pump.py). So the write queue hands the
+    # copies of one pump to the copy thread in one request with one future, and settles them in
+    # one completion (``WriteQueue._finish_all``). Pack, and that completion, pump only when no
+    # batch is out and ``HAND_OVER_SAVES`` (8) saves or ``HAND_OVER_BYTES`` (32 MiB) wait in the
+    # queue (``WriteQueue.pack_pumps``): with the copy thread faster than pack (as on the CPU,
+    # where a copy is a memmove) a batch was otherwise one save. So a small save's copy is queued
+    # at most seven saves later (a few hundred microseconds of the host, while the copy engine
+    # still has earlier copies to run); a large one (a block input) at once. What is still in the
+    # queue when backward begins is kept, as every queued write is (adaptive keep): the last saves
+    # of a forward, due after its peak anyway.
 
     def _copy_in(self, batch: list[tuple]) -> None:
         """On the copy thread: a batch of copies into the pool, queued together (Note [copies
@@ -337,7 +373,7 @@ class TieredBackend(Backend):
         if type(extent) is not HostExtent:
             return self.inner.submit_read(extent, dst, checksum=checksum, ready=ready)
         self._check_process()
-        return self._outs.submit((extent, dst, ready))
+        return self._outs.submit([(extent, dst, ready)])
 
     def _copy_out(self, batch: list[tuple]) -> None:
         """On the read thread: copies back to the device, queued, not waited for: unpack makes
@@ -410,19 +446,20 @@ def _by_device(batch: list[tuple]) -> list[list[tuple]]:
 
 
 class _Batches:
-    """Requests taken a batch at a time by one thread of ``pool``: each request's future completes
-    once ``process`` has handled its batch (with its exception, if it raised)."""
+    """Requests taken a batch at a time by one thread of ``pool``: each submission (a list of
+    requests) gets one future, completed once ``process`` has handled the batch it went in (with
+    its exception, if it raised)."""
 
     def __init__(self, pool: IOPool, process: Callable[[list], None]) -> None:
         self.pool, self._process = pool, process
         self._lock = threading.Lock()
-        self._pending: list[tuple[Any, IOFuture]] = []
+        self._pending: list[tuple[list, IOFuture]] = []
         self._draining = False
 
-    def submit(self, request: Any) -> IOFuture:
+    def submit(self, requests: list) -> IOFuture:
         fut = IOFuture()
         with self._lock:
-            self._pending.append((request, fut))
+            self._pending.append((requests, fut))
             start, self._draining = not self._draining, True
         if start:
             self.pool.submit(self._drain)
@@ -436,7 +473,7 @@ class _Batches:
                     self._draining = False
                     return
             try:
-                self._process([request for request, _ in batch])
+                self._process([request for requests, _ in batch for request in requests])
             except BaseException as e:  # each request of the batch fails with it
                 for _, fut in batch:
                     fut.set_exception(e)

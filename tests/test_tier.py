@@ -613,3 +613,48 @@ def test_the_first_slab_refused_leaves_the_saves_to_the_drive():
         assert pool.allocate(MiB) is None and pool.pinned == 0
     finally:
         pool.close()
+
+
+def test_tier_copies_are_handed_over_a_batch_at_a_time(off_dir, tier_on_cpu, monkeypatch):
+    """Note [tier copies are handed over a batch at a time]: small saves wait in the queue until
+    HAND_OVER_SAVES of them are there, and go to the copy thread together, settled by one
+    completion each batch; a save of HAND_OVER_BYTES goes at once. Exact all the same."""
+    from ssdtrain import tier, writer
+    batches, finishes = [], []
+    real_copy_in, real_finish_all = tier.TieredBackend._copy_in, writer.WriteQueue._finish_all
+    monkeypatch.setattr(tier.TieredBackend, "_copy_in",
+                        lambda self, batch: (batches.append(len(batch)), real_copy_in(self, batch))[1])
+    monkeypatch.setattr(writer.WriteQueue, "_finish_all",
+                        lambda self, entries, fut: (finishes.append(len(entries)), real_finish_all(self, entries, fut))[1])
+    model, loss_fn = _gpt()
+    base = step(model, loss_fn, None)
+    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, host_bytes="128MiB")
+    try:
+        for _ in range(2):
+            assert_same(base, step(model, loss_fn, off))
+        off.wait()
+        copies = off.stats().host_copied_bytes
+        assert copies > 0
+        assert sum(batches) == sum(finishes) and len(finishes) <= len(batches)
+        assert max(batches) >= writer.HAND_OVER_SAVES  # not one copy a batch
+        assert sum(batches) >= 4 * len(batches)  # one at a time before (2026-11-27)
+
+        # Small saves stay queued (not handed over) until HAND_OVER_SAVES wait; a large one goes.
+        x = torch.randn(64, 64, requires_grad=True)
+        with off:
+            small = [x * (i + 1.0) for i in range(3)]
+            refs = [off._pack(t) for t in small]
+            queued = [r.entry.state for r in refs[:-1]]
+            big = torch.randn(writer.HAND_OVER_BYTES // 4, requires_grad=True) * 1.0
+            big_ref = off._pack(big)
+            after_big = off._pack(big * 2.0)  # releases the large save held as the last one
+            deadline = time.monotonic() + 10
+            while big_ref.entry.state is ssdtrain.cache.State.QUEUED and time.monotonic() < deadline:
+                time.sleep(0.01)
+            big_state = big_ref.entry.state
+        del refs, big_ref, after_big
+        off.wait()
+    finally:
+        off.close()
+    assert queued == [ssdtrain.cache.State.QUEUED] * 2
+    assert big_state is not ssdtrain.cache.State.QUEUED
