@@ -8,7 +8,9 @@ at INFO and kept in :func:`unavailable_reason`.
 
 Environment:
     SSDTRAIN_NO_EXT=1       never load native code of ssdtrain (``1/true/yes/on``; ``0/false/no/off``
-                            or empty: load it; anything else is an error).
+                            or empty: load it; anything else is an error); nor call the CUDA
+                            runtime directly (the host tier's copies then go through torch:
+                            Note [the copy thread issues copies without the GIL]).
     SSDTRAIN_EXT_PATH=FILE  load this library instead of ``~/.cache/ssdtrain/libssdtrain_cufile.so``
                             (where ``python cuda_ext/build.py`` puts it).
 """

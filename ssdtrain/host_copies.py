@@ -9,17 +9,23 @@ initialises CUDA unless a CUDA tensor is offloaded. GPU-ONLY CODE: run by ``test
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from ssdtrain.device import Fence, _on, is_cuda, order, side_stream
+from ssdtrain.device import Fence, _on, is_cuda, order, side_stream, stream_of
 
 __all__ = [
-    "StreamRef", "stream_of", "name_stream", "queue_copies", "current_stream", "queue_copy_after", "order_current",
-    "room_above_peak", "device_limit", "allocator_peak", "allocated", "GpuTimer", "timed_copies", "copy_rate",
+    "StreamRef", "stream_of", "name_stream", "queue_copies", "queue_to_host", "current_stream", "queue_copy_after",
+    "order_current", "room_above_peak", "device_limit", "allocator_peak", "allocated", "GpuTimer", "timed_copies",
+    "copy_rate",
 ]
+
+log = logging.getLogger(__name__)
 
 
 # Note [a tier copy is released in stream order]
@@ -56,17 +62,6 @@ class StreamRef:
         return stream_of(self.data)
 
 
-_stream_objects: dict[tuple, torch.cuda.Stream] = {}  # by C tuple: Stream objects, made once (a cache)
-
-
-def stream_of(data: tuple) -> torch.cuda.Stream:
-    stream = _stream_objects.get(data)
-    if stream is None:
-        stream = _stream_objects[data] = torch.cuda.Stream(stream_id=data[0], device_index=data[1],
-                                                           device_type=data[2])
-    return stream
-
-
 def name_stream(t: torch.Tensor) -> StreamRef:
     """The current stream of ``t``'s device, named cheaply (Note [the training thread names a
     stream, the copy thread marks it])."""
@@ -97,6 +92,85 @@ def queue_copies(dsts: list[torch.Tensor], srcs: list[torch.Tensor], readys: lis
             if is_cuda(dst):
                 dst.record_stream(stream)
         return Fence(stream)
+
+
+# Note [the copy thread issues copies without the GIL]
+# The copy thread holds the GIL while torch queues a copy (``Tensor.copy_`` does not release it):
+# on an H200's host (2026-11-27, benchmarks/copy_issue_cost.py) each copy it issued that way cost
+# the training thread 10.3 us, waiting for the GIL, where the training thread has about 15 us a
+# save to spare. Called through ctypes, the CUDA runtime's functions run with the GIL released, and
+# the same copies cost the training thread nothing measurable. So the tier's copies to the pool go
+# that way (``cudaStreamWaitEvent`` for each producer fence, ``cudaMemcpyAsync`` for each copy, on
+# the side stream torch made), through the ``libcudart`` torch itself loaded; where there is none
+# (a build with the runtime linked in), where ``SSDTRAIN_NO_EXT`` asks for no native calls, or
+# once a call failed (its error cleared, a warning), they go through torch as before.
+_DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)
+_runtime: Any = None  # the ctypes library once looked for; False: none, or no longer used
+
+
+def _cudart() -> Any:
+    """The CUDA runtime torch loaded, as a ctypes library with the calls below typed; ``None``
+    where it cannot be used (looked for once)."""
+    global _runtime
+    if _runtime is None:
+        _runtime = _load_cudart() or False
+    return _runtime or None
+
+
+def _load_cudart() -> Any:
+    from ssdtrain import _ext
+    try:
+        if _ext.native_code_disabled():
+            return None
+        with open("/proc/self/maps") as f:
+            paths = sorted({line.split()[-1] for line in f if "/libcudart" in line})
+        if not paths:
+            return None
+        lib = ctypes.CDLL(paths[0])
+        lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                        ctypes.c_void_p]
+        lib.cudaStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+        lib.cudaGetErrorString.argtypes = [ctypes.c_int]
+        lib.cudaGetErrorString.restype = ctypes.c_char_p
+        return lib
+    except (OSError, AttributeError, ValueError) as e:
+        log.info("ssdtrain: the CUDA runtime cannot be called directly (%s); copies go through torch", e)
+        return None
+
+
+def queue_to_host(addresses: list[int], srcs: list[torch.Tensor], readys: list[Fence | None]) -> Fence | None:
+    """Queues the copy of each device tensor in ``srcs`` to the pinned host memory at the matching
+    address, on this I/O thread's side stream, each after its producer fence, with the GIL
+    released (Note [the copy thread issues copies without the GIL]); returns a :class:`Fence`
+    after all of them, or ``None`` (nothing queued) where the runtime cannot be called directly:
+    then the caller queues them through torch (:func:`queue_copies`)."""
+    global _runtime
+    rt = _cudart()
+    if rt is None:
+        return None
+    gpu = srcs[0].device
+    with _on(gpu):
+        stream = side_stream(gpu)
+        raw = stream.cuda_stream
+        try:
+            last = None
+            for ready in readys:
+                if ready is not None and ready.event is not last:  # a batch's saves often share none
+                    last = ready.event
+                    _check(rt, rt.cudaStreamWaitEvent(raw, ready.event.cuda_event, 0), "cudaStreamWaitEvent")
+            for address, src in zip(addresses, srcs):
+                _check(rt, rt.cudaMemcpyAsync(address, src.data_ptr(), src.nbytes, _DEFAULT, raw), "cudaMemcpyAsync")
+        except RuntimeError as e:
+            _runtime = False
+            log.warning("ssdtrain: %s; the host tier's copies go through torch from now on", e)
+            return None  # those already queued are queued again by torch: the same bytes
+        return Fence(stream)
+
+
+def _check(rt: Any, err: int, what: str) -> None:
+    if err:
+        rt.cudaGetLastError()  # not left for the next CUDA call on this thread to report
+        raise RuntimeError(f"{what} failed: {rt.cudaGetErrorString(err).decode(errors='replace')} ({err})")
 
 
 def current_stream(dev: torch.device) -> torch.cuda.Stream:

@@ -125,6 +125,7 @@ class HostPool:
         self._pin = pin
         self._slab = slab
         self._slabs: list[tuple[torch.Tensor, ExtentAllocator]] = []
+        self._bases: list[int] = []  # each slab's address
         self._lock = threading.Lock()
         self._pinning = 0  # bytes being pinned now
         self._thread = IOPool(1, "ssdtrain-pin") if background else None
@@ -185,6 +186,7 @@ class HostPool:
                 return
             with self._lock:
                 self._slabs.append((mem, ExtentAllocator(4096)))
+                self._bases.append(mem.data_ptr())
                 self.pinned += size
                 self._pinning = 0
                 if size >= self._big:
@@ -219,11 +221,16 @@ class HostPool:
         """The extent's bytes (1-D uint8, ``ext.nbytes`` long)."""
         return self._slabs[ext.slab][0][ext.offset:ext.offset + ext.nbytes]
 
+    def address(self, ext: HostExtent) -> int:
+        """The address of the extent's first byte."""
+        return self._bases[ext.slab] + ext.offset
+
     def close(self) -> None:
         if self._thread is not None:
             self._thread.shutdown(wait=True)
         with self._lock:
             self._slabs.clear()
+            self._bases.clear()
 
 
 class TieredBackend(Backend):
@@ -353,11 +360,16 @@ class TieredBackend(Backend):
         """On the copy thread: a batch of copies into the pool, queued together (Note [copies
         are queued a batch at a time]); one fence marks them all."""
         for part in _by_device(batch):
-            dsts = [self.pool.view(ext) for ext, _, _ in part]
             srcs = [src for _, src, _ in part]
             if device.is_cuda(srcs[0]):
-                fence = host_copies.queue_copies(dsts, srcs, [ready for _, _, ready in part])
+                readys = [ready for _, _, ready in part]
+                fence = None
+                if all(ready is None or isinstance(ready, device.Fence) for ready in readys):
+                    fence = host_copies.queue_to_host([self.pool.address(ext) for ext, _, _ in part], srcs, readys)
+                if fence is None:
+                    fence = host_copies.queue_copies([self.pool.view(ext) for ext, _, _ in part], srcs, readys)
             else:  # the tests' way through the tier: host to host, done at once
+                dsts = [self.pool.view(ext) for ext, _, _ in part]
                 fence = None
                 for (ext, src, ready), dst in zip(part, dsts):
                     if ready is not None:

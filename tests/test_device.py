@@ -22,6 +22,49 @@ def test_host_tensors_need_no_fences():
     assert not device.is_cuda(t)
 
 
+def test_a_producer_fence_reuses_the_event_of_one_that_died(monkeypatch):
+    """Note [a producer fence reuses its event], with torch.cuda's event and stream stood in for:
+    a live fence's event is never recorded for another; one that died is recorded again, on the
+    stream current when the new fence is made; stream objects are made once per stream."""
+    made, records, streams = [], [], []
+
+    class Event:
+        def __init__(self, blocking=False):
+            assert blocking  # Note [waiting threads sleep]
+            made.append(self)
+
+        def record(self, stream):
+            records.append((self, stream))
+
+    class Stream:
+        def __init__(self, stream_id, device_index, device_type):
+            streams.append(self)
+            self.id = stream_id
+
+    current = [(7, 0, 1)]
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentStream", lambda index: current[0], raising=False)
+    monkeypatch.setattr(device, "_idle_events", {})
+    monkeypatch.setattr(device, "_stream_objects", {})
+
+    class Saved:  # what pack sees of a CUDA tensor here
+        device = torch.device("cuda", 0)
+
+    a, b = device.producer_fence(Saved()), device.producer_fence(Saved())
+    assert a.event is not b.event and len(made) == 2
+    assert a.stream is b.stream and len(streams) == 1 and a.device == torch.device("cuda", 0)
+    event_a = a.event
+    del a
+    current[0] = (9, 0, 1)  # another stream is current now
+    c = device.producer_fence(Saved())
+    assert c.event is event_a and len(made) == 2  # recorded again, not made
+    assert records[-1] == (event_a, c.stream) and c.stream.id == 9 and len(streams) == 2
+    d = device.producer_fence(Saved())
+    assert d.event not in (b.event, c.event) and len(made) == 3  # none idle: a new one
+    assert device.producer_fence(Saved()).stream is c.stream  # the stream's object, made once
+
+
 def test_order_calls_a_plain_callable_and_skips_none():
     calls = []
     device.order(lambda: calls.append(1), stream=None)

@@ -112,6 +112,28 @@ def test_fences_order_a_side_stream_without_blocking_the_host(sleep):
     assert bool((buf == 7).all())
 
 
+def test_a_reused_producer_fence_orders_a_copy_after_its_producer(sleep):
+    # Note [a producer fence reuses its event]: the event of a fence that died is recorded again
+    # for the next one, on the stream current then, and still fences that producer's kernels.
+    first = device.producer_fence(torch.empty(1, device=CUDA))
+    event = first.event
+    del first
+    other = torch.cuda.Stream(CUDA)
+    with torch.cuda.stream(other):
+        t = torch.zeros(1 << 20, dtype=torch.uint8, device=CUDA)
+        sleep(300)
+        t.fill_(5)  # the producer, 300 ms from now, on ``other``
+        fence = device.producer_fence(t)
+    assert fence.event is event and fence.stream == other
+    dst = torch.zeros(1 << 20, dtype=torch.uint8, pin_memory=True)
+    side = device.side_stream(CUDA)
+    fence.order(side)
+    with torch.cuda.stream(side):
+        dst.copy_(t, non_blocking=True)
+    side.synchronize()
+    assert bool((dst == 5).all())
+
+
 def test_blocking_fence_waits_asleep(sleep):
     # Note [waiting threads sleep]: a thread waiting on a fence uses little CPU.
     import resource

@@ -37,6 +37,23 @@ def test_tier_exact(dtype, second_stream, order, tmp_path, sleep):
     assert sum(s.written_bytes_by_path.values()) <= s.spilled_bytes
 
 
+@pytest.mark.parametrize("copies", ["runtime", "torch"])
+def test_tier_copies_through_the_runtime_or_torch_are_exact(copies, tmp_path, sleep, monkeypatch):
+    # Note [the copy thread issues copies without the GIL]: the direct calls are what runs here
+    # (torch's wheels load libcudart), and torch's way, the fallback, is exact as well.
+    from ssdtrain import host_copies
+    if copies == "torch":
+        monkeypatch.setattr(host_copies, "_runtime", False)
+    model, xs = _net(torch.bfloat16, sleep, True, 2)
+
+    def make():
+        return ssdtrain.Offloader(model, path=str(tmp_path), min_bytes=0, host_bytes="64MiB")
+
+    s = _exact_over_steps(model, xs, (1, 0), make)
+    assert s.host_copied_bytes > 0
+    assert (host_copies._runtime is not False) == (copies == "runtime"), host_copies._runtime
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_tier_full_spills_to_the_drive(dtype, tmp_path, sleep):
     model, xs = _net(dtype, sleep, False, 2)
