@@ -43,7 +43,7 @@ PAGE = 4096
 
 
 def is_cuda(t: torch.Tensor) -> bool:
-    return t.device.type == "cuda"
+    return t.is_cuda  # a fifth of ``t.device.type == "cuda"`` (pack asks for every save)
 
 
 # Note [I/O threads set their device]

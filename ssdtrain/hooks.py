@@ -71,7 +71,7 @@ class SaveHooks:
             if entry is None:  # Note [a save the budget keeps skips the cache]
                 why = self._kept_at_once(t, hi - lo)
                 if why is not None:
-                    if (self._tier is not None and t.device.type in self._tier_devices
+                    if (self._tier is not None and (t.is_cuda or self._tier_cpu)
                             and storage._cdata not in self._cache.small.rows):
                         self._tier.clock.produced(hi - lo)  # Note [the copy clock counts every save]
                     small = self._cache.small.add(t, storage, scope.stats_id, why)
@@ -106,10 +106,11 @@ class SaveHooks:
         e = self._cache.new(next(self._ids), t, lo, hi, scope, layer)
         scope.live_entries += 1
         n = e.nbytes
-        tier = self._tier is not None and e.device.type in self._tier_devices
+        cuda = t.is_cuda
+        tier = self._tier is not None and (cuda or self._tier_cpu)
         if tier:
             self._tier.clock.produced(n)
-            if self._fwd_dev is None and e.device.type == "cuda":
+            if self._fwd_dev is None and cuda:
                 self._fwd_dev = e.device  # forwards are timed on it from the next one on
                 # near this forward's start: Note [the step's peak, seen in backward]
                 self._start_alloc = host_copies.allocated(e.device) - n
@@ -201,7 +202,7 @@ class SaveHooks:
         write would end after the peak (Note [write what leaves before the peak])."""
         if self.config.when_full != "keep":
             return None
-        if self._tier is not None and t.device.type in self._tier_devices:
+        if self._tier is not None and (t.is_cuda or self._tier_cpu):
             return "budget_kept_bytes" if self._tier.clock.closed else None
         if self._budget.current.bound:
             return "budget_kept_bytes"

@@ -149,7 +149,8 @@ def as_is(t: torch.Tensor, pinned: frozenset[int], in_kept_module: bool) -> bool
     plain = type(t) is torch.Tensor
     if not (plain or by_parts(t)) or t.layout is not torch.strided or t.is_inference():
         return True  # parameters (nn.Parameter), tensor subclasses, sparse, inference tensors
-    if t.device.type not in ("cpu", "cuda") or t.numel() == 0 or t.is_quantized or t._is_zerotensor():
+    cuda = t.is_cuda
+    if not (cuda or t.is_cpu) or t.numel() == 0 or t.is_quantized or t._is_zerotensor():
         return True  # quantized: scales and zero points live outside the bytes
     if in_kept_module:
         return True
@@ -161,7 +162,7 @@ def as_is(t: torch.Tensor, pinned: frozenset[int], in_kept_module: bool) -> bool
         return True  # a view of a parameter (e.g. weight.t() saved by mm)
     if _is_weight_cast(base if base is not None else t):
         return True
-    if device.is_cuda(t) and device.capturing():
+    if cuda and device.capturing():
         raise RuntimeError("ssdtrain cannot offload inside CUDA graph capture (its I/O runs on the host); "
                            "capture the graph outside the Offloader, or wrap it in ssdtrain.no_offload()")
     if not plain:

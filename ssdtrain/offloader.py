@@ -76,7 +76,7 @@ class Offloader(hooks.SaveHooks):
         kept_modules = keep_objects + [keep.named_module(self._models, name) for name in config.keep_modules]
         self._backend: Backend = store if store is not None else make_backend(config)  # checks the paths
         self._tier: TieredBackend | None = None
-        self._tier_devices = _TIER_DEVICES
+        self._tier_cpu = "cpu" in _TIER_DEVICES  # CPU saves use the tier too (the tests' way through it)
         # A CUDA build of torch: a build flag, no driver call (a CPU step must not touch CUDA,
         # tests/test_import.py); the tier starts only at the first CUDA save.
         if config.host_bytes != 0 and (torch.backends.cuda.is_built() or "cpu" in _TIER_DEVICES):

@@ -124,6 +124,7 @@ class OffloadStats:
 
 _SCOPE_FIELDS = ("saved_bytes", "unique_bytes", "written_bytes", "read_bytes", "kept_bytes", "forwarded_bytes",
                  "adaptive_keep_bytes", "budget_kept_bytes", "stall_seconds", "prefetch_hits", "prefetch_misses")
+_SCOPE_SET = frozenset(_SCOPE_FIELDS)
 
 
 class Counters:
@@ -136,9 +137,12 @@ class Counters:
         self.forward_peak = 0  # the most resident since the last forward began
 
     def add(self, scope_id: Any, field: str, amount: float) -> None:
-        setattr(self.total, field, getattr(self.total, field) + amount)
-        if field in _SCOPE_FIELDS and scope_id is not None:
-            per = self.per_scope.setdefault(scope_id, dict.fromkeys(_SCOPE_FIELDS, 0))
+        total = self.total
+        setattr(total, field, getattr(total, field) + amount)
+        if scope_id is not None and field in _SCOPE_SET:  # a step's saves have none: most calls end here
+            per = self.per_scope.get(scope_id)
+            if per is None:
+                per = self.per_scope[scope_id] = dict.fromkeys(_SCOPE_FIELDS, 0)
             per[field] += amount
 
     def resident(self, delta: int) -> None:
