@@ -91,6 +91,11 @@ class Fence:
         with _on(self.device):
             return self.event.query()
 
+    def passed(self) -> bool:
+        """:meth:`done`, without entering the device first: for the training thread, whose current
+        context is already the device's (Note [a lagging copy is looked at without the lock])."""
+        return self.event.query()
+
 
 # Note [write waits for the producer]
 # On a GPU, pack runs on the host as soon as the kernel that produced the tensor is *queued*,

@@ -335,7 +335,7 @@ class Offloader(hooks.SaveHooks):
         ext = e.extent
         if type(ext) is not HostExtent or ext.landed is None:
             return True  # on a drive (its write is done), or copied with no device
-        if not (self._tier.clock.is_due(ext.due) or ext.landed.done()):
+        if not (self._tier.clock.is_due(ext.due) or ext.landed.passed()):
             return False
         # The producer's stream used the save (it is the allocation stream, or the user tied the
         # tensor to it with record_stream): work it queues from now on runs after the copy.

@@ -729,3 +729,32 @@ def test_no_runtime_calls_where_native_code_is_disabled(monkeypatch):
     from ssdtrain import host_copies
     monkeypatch.setenv("SSDTRAIN_NO_EXT", "1")
     assert host_copies._load_cudart() is None
+
+
+def test_a_safe_point_drains_for_a_lagging_copy_only_once_it_may_go(off_dir, tier_on_cpu, monkeypatch):
+    """Note [a lagging copy is looked at without the lock]: while the oldest lagging copy is
+    neither due by the clock nor past its fence, a safe point does not drain."""
+    from types import SimpleNamespace
+
+    from ssdtrain.tier import HostExtent
+    off = ssdtrain.Offloader(nn.Linear(4, 4), path=str(off_dir), min_bytes=0)
+    try:
+        drains = []
+        monkeypatch.setattr(off, "_drain", lambda **kw: drains.append(1))
+        passed = [False]
+        ext = HostExtent(0, 0, 4096, 100)
+        ext.landed = SimpleNamespace(passed=lambda: passed[0])
+        ext.due = off._tier.clock.pos + 1000
+        off._cache.lagging.append(SimpleNamespace(extent=ext))
+        off._safe_point(raise_errors=False)
+        assert drains == []  # not due, not passed
+        passed[0] = True
+        off._safe_point(raise_errors=False)
+        assert drains == [1]  # its fence passed
+        passed[0] = False
+        off._tier.clock.produced(1000)
+        off._safe_point(raise_errors=False)
+        assert drains == [1, 1]  # due by the clock
+        off._cache.lagging.clear()
+    finally:
+        off.close()
