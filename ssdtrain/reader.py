@@ -16,6 +16,10 @@ from ssdtrain.store._mem import profiled
 
 __all__ = ["Reader"]
 
+READ_BATCH_SHARE = 0.25
+"""Of the read-ahead window, what must be free before a backend that takes reads in batches is
+given more (Note [tier reads are issued a batch at a time])."""
+
 
 class Reader:
     """Reads of offloaded entries into fresh buffers; the engine calls :meth:`prefetch`,
@@ -31,15 +35,44 @@ class Reader:
         self._budget = budget
         self._max_layers = max_layers
         self._clock = clock
+        self._many = getattr(backend, "submit_reads", None)  # Note [tier reads are issued a batch at a time]
+        self._ordered: tuple = ()  # the last (copy-back fence, stream) ordered
 
     def prefetch(self, scope: Scope, layer: int | None) -> None:
         """Reads the entries ``scope`` will need next, as far as the window allows."""
         if layer is not None:
             scope.layer_now = layer
         limit = self._window.limit(self._counters.total.resident_bytes, scope.ahead)
+        if self._many is not None and scope.ahead and limit - scope.ahead < limit * READ_BATCH_SHARE:
+            return  # Note [tier reads are issued a batch at a time]: too little room for a batch yet
         strict = self._window.peak is not None  # Note [reads never raise the peak]
-        for e in scope.advance(layer, max_bytes=limit, max_layers=self._max_layers, strict=strict):
+        picked = scope.advance(layer, max_bytes=limit, max_layers=self._max_layers, strict=strict)
+        if len(picked) > 1 and self._many is not None:
+            self._issue_all(picked)
+            return
+        for e in picked:
             self.issue(e)
+
+    # Note [tier reads are issued a batch at a time]
+    # As with the copies in (Note [tier copies are handed over a batch at a time]), a read handed to
+    # the host tier's copy-back thread alone cost the training thread a future, a wake-up of that
+    # thread, and on a GPU a fence of its own. In backward the window moves one save at a time (each
+    # unpack frees one), so with a backend that takes reads in batches (the tier) it moves only once
+    # ``READ_BATCH_SHARE`` of it is free, or when nothing is read ahead; the reads it picks then go
+    # together: buffers allocated first, one consumer fence after all of them (Note [reload waits
+    # for the allocation point]: every allocation point is before it), one request for the tier's
+    # (the drives' still one by one). A read the window has not reached when backward needs it is
+    # issued at once, as ever (``claim``).
+    def _issue_all(self, entries: list[Entry]) -> None:
+        """Starts reading ``entries`` back into fresh buffers, the tier's together."""
+        bufs = [self._backend.alloc_buffer(e.nbytes, e.device, extent=e.extent) for e in entries]
+        fences: dict = {}
+        for buf in bufs:
+            if buf.device not in fences:
+                fences[buf.device] = device.consumer_fence(buf)
+        futures = self._many([(e.extent, buf, e.checksum, fences[buf.device]) for e, buf in zip(entries, bufs)])
+        for e, buf, fut in zip(entries, bufs, futures):
+            self._cache.reading(e, buf, fut)
 
     def issue(self, e: Entry) -> None:
         """Starts reading ``e`` back into a fresh buffer."""
@@ -72,7 +105,10 @@ class Reader:
             back = getattr(e.extent, "back", None)  # the host tier's copy back, queued on a side stream
             self._cache.unload(e)
         if back is not None:
-            host_copies.order_current(back)
+            stream = host_copies.current_stream(back.device)
+            if self._ordered != (back, stream):  # one fence marks a batch's copies: once per stream
+                self._ordered = (back, stream)
+                host_copies.order_current(back, stream)
         return out
 
     def wait(self, e: Entry, fut: Any) -> None:

@@ -387,6 +387,22 @@ class TieredBackend(Backend):
         self._check_process()
         return self._outs.submit([(extent, dst, ready)])
 
+    def submit_reads(self, requests: list[tuple[Any, torch.Tensor, Any, Any]]) -> list[Future]:
+        """Reads of ``(extent, buffer, checksum, ready)``, a future each, in order: the host
+        extents' copies back handed over together under one future (Note [tier reads are issued a
+        batch at a time]), the drives' reads one by one."""
+        futures: list[Any] = [None] * len(requests)
+        host = [i for i, request in enumerate(requests) if type(request[0]) is HostExtent]
+        if host:
+            self._check_process()
+            shared = self._outs.submit([(requests[i][0], requests[i][1], requests[i][3]) for i in host])
+            for i in host:
+                futures[i] = shared
+        for i, (extent, buf, checksum, ready) in enumerate(requests):
+            if futures[i] is None:
+                futures[i] = self.inner.submit_read(extent, buf, checksum=checksum, ready=ready)
+        return futures
+
     def _copy_out(self, batch: list[tuple]) -> None:
         """On the read thread: copies back to the device, queued, not waited for: unpack makes
         the compute stream wait for ``extent.back`` (``Reader.finish``)."""
@@ -396,8 +412,8 @@ class TieredBackend(Backend):
             if device.is_cuda(dsts[0]):
                 # After the allocation point of each buffer, and after the copy in of its bytes
                 # (on the device: the copy in is long done, almost always).
-                readys = [ready for _, _, ready in part] + list({id(e.landed): e.landed for e, _, _ in part
-                                                                 if e.landed is not None}.values())
+                readys = list({id(ready): ready for _, _, ready in part if ready is not None}.values())
+                readys += {id(e.landed): e.landed for e, _, _ in part if e.landed is not None}.values()
                 fence = host_copies.queue_copies(dsts, srcs, readys)
                 for ext, _, _ in part:
                     ext.back = fence

@@ -758,3 +758,27 @@ def test_a_safe_point_drains_for_a_lagging_copy_only_once_it_may_go(off_dir, tie
         off._cache.lagging.clear()
     finally:
         off.close()
+
+
+def test_tier_reads_are_issued_a_batch_at_a_time(off_dir, tier_on_cpu, monkeypatch):
+    """Note [tier reads are issued a batch at a time]: backward's window moves once a quarter of
+    it is free, and the reads it picks go to the copy-back thread together; exact all the same,
+    and backward still finds its saves read ahead."""
+    from ssdtrain import tier
+    batches = []
+    real = tier.TieredBackend._copy_out
+    monkeypatch.setattr(tier.TieredBackend, "_copy_out", lambda self, batch: (batches.append(len(batch)),
+                                                                               real(self, batch))[1])
+    model, loss_fn = _gpt()
+    base = step(model, loss_fn, None)
+    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, host_bytes="128MiB")
+    try:
+        for _ in range(2):
+            assert_same(base, step(model, loss_fn, off))
+        off.wait()
+        s = off.stats()
+    finally:
+        off.close()
+    assert s.host_read_bytes > 0
+    assert sum(batches) >= 2 * len(batches)  # one read a request before (2026-11-27)
+    assert s.prefetch_misses <= s.prefetch_hits / 10
