@@ -82,11 +82,7 @@ class SmallSaves:
             nbytes = storage.nbytes()
             row = self.rows[key] = [StorageWeakRef(storage), nbytes, 0]
             self.live_bytes += nbytes
-            counters.add(stats_id, "unique_bytes", nbytes)
-            counters.add(stats_id, "kept_bytes", nbytes)
-            if why is not None:
-                counters.add(stats_id, why, nbytes)
-            counters.resident(nbytes)
+            counters.kept_new(stats_id, nbytes, why)
         small = Small(keep.alias(t), key)
         # Note [an interrupt never unbalances a count]: counted and armed with no call between.
         row[2] += 1
