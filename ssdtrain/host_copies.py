@@ -122,8 +122,10 @@ def _load_cudart() -> Any:
     try:
         if _ext.native_code_disabled():
             return None
+        # torch's own: the major version it was built with (another package may load another runtime)
+        name = f"/libcudart.so.{(torch.version.cuda or '0').split('.')[0]}"
         with open("/proc/self/maps") as f:
-            paths = sorted({line.split()[-1] for line in f if "/libcudart" in line})
+            paths = sorted({line.split()[-1] for line in f if name in line})
         if not paths:
             return None
         lib = ctypes.CDLL(paths[0])

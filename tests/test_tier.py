@@ -731,6 +731,31 @@ def test_no_runtime_calls_where_native_code_is_disabled(monkeypatch):
     assert host_copies._load_cudart() is None
 
 
+def test_the_runtime_called_is_the_one_torch_was_built_with(monkeypatch):
+    """Another package may have loaded another CUDA runtime: the one of torch's major version is
+    called, and none where torch has no CUDA."""
+    import ctypes
+    import io
+
+    from ssdtrain import host_copies
+    maps = ("7f00-7f01 r-xp 0 00:00 1 /site/nvidia/cu12/lib/libcudart.so.12\n"
+            "7f02-7f03 r-xp 0 00:00 2 /site/nvidia/cu13/lib/libcudart.so.13\n")
+    monkeypatch.setattr(host_copies, "open", lambda path: io.StringIO(maps), raising=False)
+    opened = []
+
+    class Lib:
+        def __init__(self, path):
+            opened.append(path)
+            self.cudaMemcpyAsync = self.cudaStreamWaitEvent = self.cudaGetErrorString = lambda *a: 0
+
+    monkeypatch.setattr(ctypes, "CDLL", Lib)
+    monkeypatch.delenv("SSDTRAIN_NO_EXT", raising=False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    assert isinstance(host_copies._load_cudart(), Lib) and opened == ["/site/nvidia/cu13/lib/libcudart.so.13"]
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert host_copies._load_cudart() is None and len(opened) == 1
+
+
 def test_a_safe_point_drains_for_a_lagging_copy_only_once_it_may_go(off_dir, tier_on_cpu, monkeypatch):
     """Note [a lagging copy is looked at without the lock]: while the oldest lagging copy is
     neither due by the clock nor past its fence, a safe point does not drain."""
