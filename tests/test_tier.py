@@ -615,6 +615,21 @@ def test_the_first_slab_refused_leaves_the_saves_to_the_drive():
         pool.close()
 
 
+def _exact_tier_steps(off_dir, steps=2):
+    """An Offloader with a 128 MiB tier after ``steps`` exact steps of the GPT, waited for."""
+    model, loss_fn = _gpt()
+    base = step(model, loss_fn, None)
+    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, host_bytes="128MiB")
+    try:
+        for _ in range(steps):
+            assert_same(base, step(model, loss_fn, off))
+        off.wait()
+    except BaseException:
+        off.close()
+        raise
+    return off
+
+
 def test_tier_copies_are_handed_over_a_batch_at_a_time(off_dir, tier_on_cpu, monkeypatch):
     """Note [tier copies are handed over a batch at a time]: small saves wait in the queue until
     HAND_OVER_SAVES of them are there, and go to the copy thread together, settled by one
@@ -626,13 +641,8 @@ def test_tier_copies_are_handed_over_a_batch_at_a_time(off_dir, tier_on_cpu, mon
                         lambda self, batch: (batches.append(len(batch)), real_copy_in(self, batch))[1])
     monkeypatch.setattr(writer.WriteQueue, "_finish_all",
                         lambda self, entries, fut: (finishes.append(len(entries)), real_finish_all(self, entries, fut))[1])
-    model, loss_fn = _gpt()
-    base = step(model, loss_fn, None)
-    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, host_bytes="128MiB")
+    off = _exact_tier_steps(off_dir)
     try:
-        for _ in range(2):
-            assert_same(base, step(model, loss_fn, off))
-        off.wait()
         copies = off.stats().host_copied_bytes
         assert copies > 0
         assert sum(batches) == sum(finishes)  # every copy settled by a batch's one completion
@@ -794,13 +804,8 @@ def test_tier_reads_are_issued_a_batch_at_a_time(off_dir, tier_on_cpu, monkeypat
     real = tier.TieredBackend._copy_out
     monkeypatch.setattr(tier.TieredBackend, "_copy_out", lambda self, batch: (batches.append(len(batch)),
                                                                                real(self, batch))[1])
-    model, loss_fn = _gpt()
-    base = step(model, loss_fn, None)
-    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, host_bytes="128MiB")
+    off = _exact_tier_steps(off_dir)
     try:
-        for _ in range(2):
-            assert_same(base, step(model, loss_fn, off))
-        off.wait()
         s = off.stats()
     finally:
         off.close()
