@@ -46,7 +46,7 @@ class Entry:
         "data", "guard", "guard_weak", "extent", "checksum", "write_future", "read_future", "read_buf",
         "loaded", "loaded_weak", "gen", "unpacked_refs", "consumed_pass", "refs", "error",
         "tainted", "fence", "forwarded", "offloaded", "counted_ahead", "ref_weaks",
-        "scope_dropped", "__weakref__",
+        "scope_dropped", "packed_at", "__weakref__",
     )
 
     def __init__(self, id_: int, t: torch.Tensor, lo: int, hi: int, scope: Any, layer: int | None) -> None:
@@ -88,6 +88,7 @@ class Entry:
         self.counted_ahead = False
         self.ref_weaks: list[weakref.ref] = []
         self.scope_dropped = False  # its scope was told it died (once)
+        self.packed_at = 0.0  # when it was queued for writing (perf_counter; WriteQueue.hold)
 
     def covers(self, lo: int, hi: int) -> bool:
         return self.lo <= lo and hi <= self.lo + self.nbytes

@@ -348,13 +348,17 @@ class TieredBackend(Backend):
     # benchmarks/cpu-results/2026-11-27-pack-cost/isolated_pump.py). So the write queue hands the
     # copies of one pump to the copy thread in one request with one future, and settles them in
     # one completion (``WriteQueue._finish_all``). Pack, and that completion, pump only when no
-    # batch is out and ``HAND_OVER_SAVES`` (8) saves or ``HAND_OVER_BYTES`` (32 MiB) wait in the
-    # queue (``WriteQueue.pack_pumps``): with the copy thread faster than pack (as on the CPU,
-    # where a copy is a memmove) a batch was otherwise one save. So a small save's copy is queued
-    # at most seven saves later (a few hundred microseconds of the host, while the copy engine
-    # still has earlier copies to run); a large one (a block input) at once. What is still in the
-    # queue when backward begins is kept, as every queued write is (adaptive keep): the last saves
-    # of a forward, due after its peak anyway.
+    # batch is out and ``HAND_OVER_SAVES`` (8) saves or ``HAND_OVER_BYTES`` (256 MiB) wait in the
+    # queue, or the oldest was packed ``HAND_OVER_SECONDS`` (1 ms) ago (``WriteQueue.pack_pumps``):
+    # with the copy thread faster than pack (on the CPU, where a copy is a memmove; on a GPU, where
+    # it is queued without the GIL) a batch was otherwise one save. So a copy is queued at most
+    # about a millisecond of the host later than its pack, while the copy engine (the bottleneck:
+    # forward makes activations 4-6 times faster than PCIe carries them) still has earlier copies
+    # to run; a long sequence's block inputs, a block apart, go at the next save. The drives'
+    # writes (a spill) are not held back, and the tier's copies in flight count against no cap:
+    # they are queued on the device, not written by threads. What is still in the queue when
+    # backward begins is kept, as every queued write is (adaptive keep): the last saves of a
+    # forward, due after its peak anyway.
 
     def _copy_in(self, batch: list[tuple]) -> None:
         """On the copy thread: a batch of copies into the pool, queued together (Note [copies

@@ -27,10 +27,14 @@ WRITE_AHEAD = 0.02
 """Seconds of the drive's (measured) writing handed to it at once: ``WriteQueue._writing_cap``."""
 HAND_OVER_SAVES = 8
 """Saves queued before pack hands them to a backend that takes writes in batches (the host tier),
-unless ``HAND_OVER_BYTES`` come first (Note [tier copies are handed over a batch at a time])."""
-HAND_OVER_BYTES = 32 << 20
-"""Bytes queued that are handed over at once, however few the saves: about 0.6 ms of a 54 GB/s
-copy engine, so that a long sequence's block inputs (tens of MiB each) are not held back."""
+unless ``HAND_OVER_BYTES`` or ``HAND_OVER_SECONDS`` come first (Note [tier copies are handed over
+a batch at a time])."""
+HAND_OVER_BYTES = 256 << 20
+"""Bytes queued that are handed over however few the saves: about 5 ms of a 54 GB/s copy engine,
+two to eight saves of the bench's GPU shape."""
+HAND_OVER_SECONDS = 0.001
+"""The oldest queued save's age (since its pack) at which the queue is handed over however little
+waits: a long sequence's block inputs, a block apart, go at the next save."""
 
 
 class WriteQueue:
@@ -79,6 +83,7 @@ class WriteQueue:
         self.inflight_bytes = 0  # queued (held too) or being written
         self._flight: dict[int, tuple[Entry, Any]] = {}  # entry id -> (entry, future): being written
         self._writing_bytes = 0
+        self._drive_writing = 0  # of which a drive's (the host tier's copies are not capped)
         self._batches: set = set()  # futures of batches out (Note [tier copies are handed over a batch at a time])
         self._batched = hasattr(backend, "submit_writes")
         self.completed: deque[Entry] = deque()  # written; memory released at a safe point
@@ -97,6 +102,7 @@ class WriteQueue:
         needs first is not written in vain as forward ends.
         """
         self.inflight_bytes += e.nbytes
+        e.packed_at = time.perf_counter()
         held = scope.held
         if held is not None and 4 * e.nbytes < held.nbytes:
             self._enqueue(e)
@@ -174,25 +180,30 @@ class WriteQueue:
 
     # -- submission (lock NOT held) -------------------------------------------------------
     def pump(self) -> None:
-        """Starts queued writes, oldest first, up to ``max_writing_bytes`` in flight."""
+        """Starts queued writes, oldest first, a drive's up to ``max_writing_bytes`` in flight."""
         batch: list = []
         submitting = None
         try:
             with self._lock:
                 cap = self._writing_cap()
-                while self._queue and (not self._flight or self._writing_bytes < cap):
+                while self._queue:
                     # Note [an interrupt never unbalances a count]: in this order, whatever step
                     # an interrupt stops at, _interrupted finds ``e`` and undoes it.
                     e = self._queue[0]
-                    if e.state is State.QUEUED and self._late(e):
+                    drive = e.state is State.QUEUED and getattr(e.extent, "path_index", 0) >= 0
+                    if drive and self._drive_writing >= cap:
+                        break
+                    if drive and self._late(e):
                         pass  # Note [write what leaves before the peak]: kept (by _late)
                     elif e.state is State.QUEUED:
                         batch.append((e, e.data))
                         e.state = State.WRITING
                         self._flight[e.id] = (e, None)
                         self._writing_bytes += e.nbytes
-                        if self._meter is not None and e.extent.path_index >= 0:
-                            self._meter.started(e.nbytes, self._clock())
+                        if drive:
+                            self._drive_writing += e.nbytes
+                            if self._meter is not None:
+                                self._meter.started(e.nbytes, self._clock())
                     self._queue.popleft()
             many = getattr(self._backend, "submit_writes", None)
             if many is not None and batch:  # Note [tier copies are handed over a batch at a time]
@@ -271,9 +282,11 @@ class WriteQueue:
         queue = self._queue
         if not queue:
             return False
-        if not self._batched:
-            return True
-        return not self._batches and (len(queue) >= HAND_OVER_SAVES or self.queued_bytes >= HAND_OVER_BYTES)
+        head = queue[0]
+        if not self._batched or getattr(head.extent, "path_index", 0) >= 0:
+            return True  # a drive's write first: at once, as ever
+        return not self._batches and (len(queue) >= HAND_OVER_SAVES or self.queued_bytes >= HAND_OVER_BYTES
+                                      or time.perf_counter() - head.packed_at >= HAND_OVER_SECONDS)
 
     # The queue of a batched backend is emptied by pack once a batch's worth waits; by every
     # other pump (wait(), backpressure, a drive write's completion) whatever waits.
@@ -302,7 +315,7 @@ class WriteQueue:
                 e.state = State.QUEUED
                 if not (self._queue and self._queue[0] is e):  # not popped yet: still queued
                     self._queue.appendleft(e)
-            self._writing_bytes = sum(e.nbytes for e, _ in self._flight.values())
+            self._recount_writing()
             self._cond.notify_all()
 
     def _finish(self, e: Entry, fut, err: BaseException | None = None) -> None:
@@ -350,8 +363,16 @@ class WriteQueue:
         if self._flight.pop(e.id, None) is not None:
             self._writing_bytes -= e.nbytes
             self.inflight_bytes -= e.nbytes
+            if drive:
+                self._drive_writing -= e.nbytes
             if self._meter is not None and drive:
                 self._meter.finished(e.nbytes if err is None else 0, self._clock())
+
+    def _recount_writing(self) -> None:
+        """Lock held: the bytes being written, derived from the flight records again."""
+        self._writing_bytes = sum(e.nbytes for e, _ in self._flight.values())
+        self._drive_writing = sum(e.nbytes for e, _ in self._flight.values()
+                                  if getattr(e.extent, "path_index", 0) >= 0)
 
     def heal(self) -> None:
         """Lock NOT held. Finishes writes that are done but were never settled (a callback that
@@ -363,7 +384,7 @@ class WriteQueue:
         with self._lock:
             self.inflight_bytes = sum(e.nbytes for e in self._cache.entries.values()
                                       if e.state in (State.QUEUED, State.WRITING))
-            self._writing_bytes = sum(e.nbytes for e, _ in self._flight.values())
+            self._recount_writing()
             self._batches = {fut for _, fut in self._flight.values() if fut is not None and fut in self._batches}
             if self._meter is not None:
                 self._meter.recount(sum(getattr(e.extent, "path_index", 0) >= 0 for e, _ in self._flight.values()),

@@ -633,7 +633,8 @@ def _exact_tier_steps(off_dir, steps=2):
 def test_tier_copies_are_handed_over_a_batch_at_a_time(off_dir, tier_on_cpu, monkeypatch):
     """Note [tier copies are handed over a batch at a time]: small saves wait in the queue until
     HAND_OVER_SAVES of them are there, and go to the copy thread together, settled by one
-    completion each batch; a save of HAND_OVER_BYTES goes at once. Exact all the same."""
+    completion each batch; HAND_OVER_BYTES, or a save packed HAND_OVER_SECONDS ago, make them go
+    sooner. Exact all the same."""
     from ssdtrain import tier, writer
     batches, finishes = [], []
     real_copy_in, real_finish_all = tier.TieredBackend._copy_in, writer.WriteQueue._finish_all
@@ -641,6 +642,7 @@ def test_tier_copies_are_handed_over_a_batch_at_a_time(off_dir, tier_on_cpu, mon
                         lambda self, batch: (batches.append(len(batch)), real_copy_in(self, batch))[1])
     monkeypatch.setattr(writer.WriteQueue, "_finish_all",
                         lambda self, entries, fut: (finishes.append(len(entries)), real_finish_all(self, entries, fut))[1])
+    monkeypatch.setattr(writer, "HAND_OVER_SECONDS", 3600.0)  # batches by count: not by this VM's pace
     off = _exact_tier_steps(off_dir)
     try:
         copies = off.stats().host_copied_bytes
@@ -650,25 +652,35 @@ def test_tier_copies_are_handed_over_a_batch_at_a_time(off_dir, tier_on_cpu, mon
         assert max(batches) >= writer.HAND_OVER_SAVES  # not one copy a batch
         assert sum(batches) >= 4 * len(batches)  # one at a time before (2026-11-27)
 
-        # Small saves stay queued (not handed over) until HAND_OVER_SAVES wait; a large one goes.
+        # Small saves stay queued (not handed over) until HAND_OVER_SAVES of them wait, or
+        # HAND_OVER_BYTES, or the oldest was packed HAND_OVER_SECONDS ago.
         x = torch.randn(64, 64, requires_grad=True)
-        with off:
-            small = [x * (i + 1.0) for i in range(3)]
-            refs = [off._pack(t) for t in small]
-            queued = [r.entry.state for r in refs[:-1]]
-            big = torch.randn(writer.HAND_OVER_BYTES // 4, requires_grad=True) * 1.0
-            big_ref = off._pack(big)
-            after_big = off._pack(big * 2.0)  # releases the large save held as the last one
+        State = ssdtrain.cache.State
+        seen, enough_bytes = {}, writer.HAND_OVER_BYTES
+
+        def handed_over(refs):
             deadline = time.monotonic() + 10
-            while big_ref.entry.state is ssdtrain.cache.State.QUEUED and time.monotonic() < deadline:
+            while any(r.entry.state is State.QUEUED for r in refs) and time.monotonic() < deadline:
                 time.sleep(0.01)
-            big_state = big_ref.entry.state
-        del refs, big_ref, after_big
+            return all(r.entry.state is not State.QUEUED for r in refs)
+
+        with off:
+            for criterion, setting, value in (("seconds", "HAND_OVER_SECONDS", 0.0),
+                                              ("bytes", "HAND_OVER_BYTES", 1)):
+                monkeypatch.setattr(writer, "HAND_OVER_SECONDS", 3600.0)
+                refs = [off._pack(x * (i + 1.0)) for i in range(3)]  # two queued, the last held
+                seen[criterion, "before"] = [r.entry.state for r in refs[:2]]
+                monkeypatch.setattr(writer, setting, value)
+                refs.append(off._pack(x * 5.0))
+                seen[criterion, "after"] = handed_over(refs[:3])
+                monkeypatch.setattr(writer, "HAND_OVER_BYTES", enough_bytes)
+            del refs
         off.wait()
     finally:
         off.close()
-    assert queued == [ssdtrain.cache.State.QUEUED] * 2
-    assert big_state is not ssdtrain.cache.State.QUEUED
+    for criterion in ("seconds", "bytes"):
+        assert seen[criterion, "before"] == [State.QUEUED] * 2, criterion
+        assert seen[criterion, "after"], criterion
 
 
 def test_copies_to_the_pool_call_the_runtime_directly_and_fall_back_to_torch(monkeypatch, caplog):
