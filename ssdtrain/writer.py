@@ -270,19 +270,15 @@ class WriteQueue:
         return self.inflight_bytes - self._writing_bytes
 
     @property
-    def pending(self) -> bool:
-        """Whether writes wait in the queue (read without the lock)."""
-        return bool(self._queue)
-
-    @property
     def pack_pumps(self) -> bool:
         """Whether pack should pump (read without the lock: a hint): writes wait in the queue; and
         for a backend that takes writes in batches (the host tier), no batch is out (its completion
         pumps) and enough waits to make one (Note [tier copies are handed over a batch at a time])."""
-        queue = self._queue
-        if not queue:
+        try:
+            head = self._queue[0]
+        except IndexError:  # empty (or emptied meanwhile by a completion's pump)
             return False
-        head = queue[0]
+        queue = self._queue
         if not self._batched or getattr(head.extent, "path_index", 0) >= 0:
             return True  # a drive's write first: at once, as ever
         return not self._batches and (len(queue) >= HAND_OVER_SAVES or self.queued_bytes >= HAND_OVER_BYTES
