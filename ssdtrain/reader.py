@@ -43,7 +43,8 @@ class Reader:
         if layer is not None:
             scope.layer_now = layer
         limit = self._window.limit(self._counters.total.resident_bytes, scope.ahead)
-        if self._many is not None and scope.ahead and limit - scope.ahead < limit * READ_BATCH_SHARE:
+        if (self._many is not None and scope.ahead and limit - scope.ahead < limit * READ_BATCH_SHARE
+                and scope.cursor >= 0 and getattr(scope.order[scope.cursor].extent, "path_index", 0) < 0):
             return  # Note [tier reads are issued a batch at a time]: too little room for a batch yet
         strict = self._window.peak is not None  # Note [reads never raise the peak]
         picked = scope.advance(layer, max_bytes=limit, max_layers=self._max_layers, strict=strict)
@@ -58,11 +59,12 @@ class Reader:
     # the host tier's copy-back thread alone cost the training thread a future, a wake-up of that
     # thread, and on a GPU a fence of its own. In backward the window moves one save at a time (each
     # unpack frees one), so with a backend that takes reads in batches (the tier) it moves only once
-    # ``READ_BATCH_SHARE`` of it is free, or when nothing is read ahead; the reads it picks then go
-    # together: buffers allocated first, one consumer fence after all of them (Note [reload waits
-    # for the allocation point]: every allocation point is before it), one request for the tier's
-    # (the drives' still one by one). A read the window has not reached when backward needs it is
-    # issued at once, as ever (``claim``).
+    # ``READ_BATCH_SHARE`` of it is free, when nothing is read ahead, or when the next save to read
+    # is on a drive (a spill: its read takes long, and the window is sized for it). The reads it
+    # picks then go together: buffers allocated first, one consumer fence after all of them (Note
+    # [reload waits for the allocation point]: every allocation point is before it), one request
+    # for the tier's (the drives' still one by one). A read the window has not reached when
+    # backward needs it is issued at once, as ever (``claim``).
     def _issue_all(self, entries: list[Entry]) -> None:
         """Starts reading ``entries`` back into fresh buffers, the tier's together."""
         bufs = [self._backend.alloc_buffer(e.nbytes, e.device, extent=e.extent) for e in entries]
