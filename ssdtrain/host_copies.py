@@ -157,7 +157,7 @@ def queue_to_host(addresses: list[int], srcs: list[torch.Tensor], readys: list[F
         try:
             last = None
             for ready in readys:
-                if ready is not None and ready.event is not last:  # a batch's saves often share none
+                if ready is not None and ready.event is not last:  # neighbours may share one fence
                     last = ready.event
                     _check(rt, rt.cudaStreamWaitEvent(raw, ready.event.cuda_event, 0), "cudaStreamWaitEvent")
             for address, src in zip(addresses, srcs):
