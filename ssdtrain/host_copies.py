@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,9 +19,8 @@ import torch
 from ssdtrain.device import Fence, _on, is_cuda, order, side_stream, stream_of
 
 __all__ = [
-    "StreamRef", "stream_of", "name_stream", "queue_copies", "queue_to_host", "current_stream", "queue_copy_after",
-    "order_current", "room_above_peak", "device_limit", "allocator_peak", "allocated", "GpuTimer", "timed_copies",
-    "copy_rate",
+    "StreamRef", "stream_of", "name_stream", "queue_copies", "queue_to_host", "current_stream", "order_current",
+    "room_above_peak", "device_limit", "allocator_peak", "allocated", "GpuTimer", "timed_copies", "copy_rate",
 ]
 
 log = logging.getLogger(__name__)
@@ -178,22 +176,6 @@ def _check(rt: Any, err: int, what: str) -> None:
 def current_stream(dev: torch.device) -> torch.cuda.Stream:
     """``torch.cuda.current_stream(dev)``, at a third of its cost (a cached object)."""
     return stream_of(torch._C._cuda_getCurrentStream(dev.index))
-
-
-def queue_copy_after(dst: torch.Tensor, src: torch.Tensor, ready: Callable[[], None] | None) -> Fence:
-    """Queues ``dst.copy_(src)`` on this I/O thread's side stream after ``ready`` (Note [write
-    waits for the producer], Note [reload waits for the allocation point]), without waiting for
-    it; returns a :class:`Fence` after the copy. A device ``dst`` is tied to the side stream
-    (``record_stream``): dropped before the copy ran, its block is not handed out again until then."""
-    gpu = src.device if is_cuda(src) else dst.device
-    with _on(gpu):
-        stream = side_stream(gpu)
-        order(ready, stream)
-        with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
-        if is_cuda(dst):
-            dst.record_stream(stream)
-        return Fence(stream)
 
 
 def order_current(fence: Fence, stream: torch.cuda.Stream | None = None) -> None:
