@@ -172,8 +172,7 @@ class SaveHooks:
             ext = self._cache.lagging[0].extent
         except IndexError:  # emptied meanwhile
             return False
-        landed = getattr(ext, "landed", None)
-        return landed is None or self._tier is None or self._tier.clock.is_due(ext.due) or landed.passed()
+        return self._copy_may_go(ext)
 
     def _drain(self, *, reconcile: bool = False) -> None:
         """Settles dead references and finished writes, on the thread that runs compute.

@@ -19,7 +19,7 @@ import torch
 from ssdtrain.device import Fence, _on, is_cuda, order, side_stream, stream_of
 
 __all__ = [
-    "StreamRef", "stream_of", "name_stream", "queue_copies", "queue_to_host", "current_stream", "order_current",
+    "StreamRef", "stream_of", "name_stream", "queue_copies", "queue_to_host", "current_stream", "order_current", "OrderOnce",
     "room_above_peak", "device_limit", "allocator_peak", "allocated", "GpuTimer", "timed_copies", "copy_rate",
 ]
 
@@ -182,6 +182,21 @@ def order_current(fence: Fence, stream: torch.cuda.Stream | None = None) -> None
     """``stream`` (default: the current stream of ``fence``'s device) waits for ``fence`` (Note
     [a tier copy is released in stream order]); called on the training thread."""
     fence.order(stream if stream is not None else current_stream(fence.device))
+
+
+class OrderOnce:
+    """:func:`order_current` that skips a repeat of the last (fence, stream): one fence marks a
+    whole batch of the tier's copies, whose saves are released or unpacked one after another."""
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        self.last: tuple = ()
+
+    def __call__(self, fence: Fence, stream: torch.cuda.Stream) -> None:
+        if self.last != (fence, stream):
+            self.last = (fence, stream)
+            order_current(fence, stream)
 
 
 def room_above_peak(dev: torch.device, seen: int = 0, since: int | None = None) -> int:

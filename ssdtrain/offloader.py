@@ -82,7 +82,7 @@ class Offloader(hooks.SaveHooks):
         if config.host_bytes != 0 and (torch.backends.cuda.is_built() or "cpu" in _TIER_DEVICES):
             self._backend = self._tier = TieredBackend(self._backend, config.host_bytes)
         self._fwd_timer: host_copies.GpuTimer | None = None
-        self._ordered: tuple = ()  # the last (copy fence, stream) ordered (Offloader._copy_due)
+        self._ordered = host_copies.OrderOnce()  # the compute stream after a released save's copy (_copy_due)
         self._fwd_dev: torch.device | None = None
         self._seen_peak = 0  # the allocator's peak seen in the last backward (Note [the step's peak, seen in backward])
         self._start_alloc: int | None = None  # bytes allocated as the last forward began (the same Note)
@@ -333,17 +333,22 @@ class Offloader(hooks.SaveHooks):
         in stream order], Note [copy what leaves before the peak]); if so, the compute stream is
         made to wait for its copy first."""
         ext = e.extent
+        if not self._copy_may_go(ext):
+            return False
         if type(ext) is not HostExtent or ext.landed is None:
             return True  # on a drive (its write is done), or copied with no device
-        if not (self._tier.clock.is_due(ext.due) or ext.landed.passed()):
-            return False
         # The producer's stream used the save (it is the allocation stream, or the user tied the
         # tensor to it with record_stream): work it queues from now on runs after the copy.
-        stream = e.fence.stream if e.fence is not None else host_copies.current_stream(e.device)
-        if self._ordered != (ext.landed, stream):  # one copy fence marks a whole batch: once is enough
-            self._ordered = (ext.landed, stream)
-            host_copies.order_current(ext.landed, stream)
+        self._ordered(ext.landed, e.fence.stream if e.fence is not None else host_copies.current_stream(e.device))
         return True
+
+    def _copy_may_go(self, ext: Any) -> bool:
+        """Whether the save written to ``ext`` may leave memory now: on a drive, copied with no
+        device, due by the copy clock, or its copy's fence passed (asked on the training thread:
+        Note [a lagging copy is looked at without the lock])."""
+        if type(ext) is not HostExtent or ext.landed is None:
+            return True
+        return self._tier.clock.is_due(ext.due) or ext.landed.passed()
 
     def _tier_forward_begins(self) -> None:
         """Under the lock: the copy clock learns from the last forward's device time, and starts

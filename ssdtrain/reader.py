@@ -36,7 +36,7 @@ class Reader:
         self._max_layers = max_layers
         self._clock = clock
         self._many = getattr(backend, "submit_reads", None)  # Note [tier reads are issued a batch at a time]
-        self._ordered: tuple = ()  # the last (copy-back fence, stream) ordered
+        self._ordered = host_copies.OrderOnce()  # the consumer's stream after a tier copy back
 
     def prefetch(self, scope: Scope, layer: int | None) -> None:
         """Reads the entries ``scope`` will need next, as far as the window allows."""
@@ -107,10 +107,7 @@ class Reader:
             back = getattr(e.extent, "back", None)  # the host tier's copy back, queued on a side stream
             self._cache.unload(e)
         if back is not None:
-            stream = host_copies.current_stream(back.device)
-            if self._ordered != (back, stream):  # one fence marks a batch's copies: once per stream
-                self._ordered = (back, stream)
-                host_copies.order_current(back, stream)
+            self._ordered(back, host_copies.current_stream(back.device))
         return out
 
     def wait(self, e: Entry, fut: Any) -> None:

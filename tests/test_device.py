@@ -115,3 +115,18 @@ def test_a_thread_gives_its_stream_back_when_it_ends(tmp_path):
     t.start()
     t.join()
     assert streams.take(0) == 42
+
+
+def test_order_once_skips_only_a_repeat_of_the_last_fence_and_stream():
+    from ssdtrain.host_copies import OrderOnce
+    calls = []
+
+    class Fence:
+        def order(self, stream):
+            calls.append((self, stream))
+
+    a, b = Fence(), Fence()
+    once = OrderOnce()
+    for fence, stream in ((a, "s1"), (a, "s1"), (a, "s2"), (b, "s2"), (b, "s2"), (a, "s2")):
+        once(fence, stream)
+    assert calls == [(a, "s1"), (a, "s2"), (b, "s2"), (a, "s2")]
