@@ -85,7 +85,7 @@ class WriteQueue:
         self._writing_bytes = 0
         self._drive_writing = 0  # of which a drive's (the host tier's copies are not capped)
         self._batches: set = set()  # futures of batches out (Note [tier copies are handed over a batch at a time])
-        self._batched = hasattr(backend, "submit_writes")
+        self._many = getattr(backend, "submit_writes", None)  # writes taken in batches (the host tier)
         self.completed: deque[Entry] = deque()  # written; memory released at a safe point
 
     # -- pack's side (lock held) --------------------------------------------------------------
@@ -102,7 +102,8 @@ class WriteQueue:
         needs first is not written in vain as forward ends.
         """
         self.inflight_bytes += e.nbytes
-        e.packed_at = time.perf_counter()
+        if self._many is not None:  # its age makes a batch go (pack_pumps)
+            e.packed_at = time.perf_counter()
         held = scope.held
         if held is not None and 4 * e.nbytes < held.nbytes:
             self._enqueue(e)
@@ -205,7 +206,7 @@ class WriteQueue:
                             if self._meter is not None:
                                 self._meter.started(e.nbytes, self._clock())
                     self._queue.popleft()
-            many = getattr(self._backend, "submit_writes", None)
+            many = self._many
             if many is not None and batch:  # Note [tier copies are handed over a batch at a time]
                 submitting = batch
                 try:
@@ -279,7 +280,7 @@ class WriteQueue:
         except IndexError:  # empty (or emptied meanwhile by a completion's pump)
             return False
         queue = self._queue
-        if not self._batched or getattr(head.extent, "path_index", 0) >= 0:
+        if self._many is None or getattr(head.extent, "path_index", 0) >= 0:
             return True  # a drive's write first: at once, as ever
         return not self._batches and (len(queue) >= HAND_OVER_SAVES or self.queued_bytes >= HAND_OVER_BYTES
                                       or time.perf_counter() - head.packed_at >= HAND_OVER_SECONDS)
