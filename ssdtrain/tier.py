@@ -320,24 +320,24 @@ class TieredBackend(Backend):
         self._check_process()
         return self._ins.submit([(extent, src, ready)])
 
-    def submit_writes(self, requests: list[tuple[Any, torch.Tensor, Any]], *,
-                      checksum: bool = False) -> tuple[list[Future], Future | None]:
-        """Writes of ``(extent, src, ready)``: their futures, in order, and the one future that
-        the host extents' copies share (``None`` if there are none): those are handed to the copy
-        thread together (Note [tier copies are handed over a batch at a time]), the drives'
-        writes one by one."""
-        futures: list[Any] = [None] * len(requests)
-        host = [i for i, (extent, _, _) in enumerate(requests) if type(extent) is HostExtent]
+    def submit_writes(self, requests: list[tuple[Any, torch.Tensor, bool, Any]]) -> tuple[list[Future], Future | None]:
+        """Writes of ``(extent, src, checksum, ready)``: their futures, in order, and the one
+        future that the host extents' copies share (``None`` if there are none): those are handed
+        to the copy thread together (Note [tier copies are handed over a batch at a time]), the
+        drives' writes one by one."""
+        return self._split(self._ins, requests, self.inner.submit_write)
+
+    def _split(self, batches: _Batches, requests: list[tuple], inner: Callable) -> tuple[list[Future], Future | None]:
+        """``requests`` ``(extent, tensor, checksum, ready)``: the host extents' to ``batches``
+        together, under one future (also returned; ``None`` if none), the others to ``inner``
+        one by one; their futures, in order."""
+        host = [(extent, t, ready) for extent, t, _, ready in requests if type(extent) is HostExtent]
         shared = None
         if host:
             self._check_process()
-            shared = self._ins.submit([requests[i] for i in host])
-            for i in host:
-                futures[i] = shared
-        for i, (extent, src, ready) in enumerate(requests):
-            if futures[i] is None:
-                futures[i] = self.inner.submit_write(extent, src, checksum=checksum, ready=ready)
-        return futures, shared
+            shared = batches.submit(host)
+        return [shared if type(extent) is HostExtent else inner(extent, t, checksum=checksum, ready=ready)
+                for extent, t, checksum, ready in requests], shared
 
     # Note [tier copies are handed over a batch at a time]
     # A tier save's copy is cheap for the device and dear for the host: every microsecond of Python
@@ -395,17 +395,7 @@ class TieredBackend(Backend):
         """Reads of ``(extent, buffer, checksum, ready)``, a future each, in order: the host
         extents' copies back handed over together under one future (Note [tier reads are issued a
         batch at a time]), the drives' reads one by one."""
-        futures: list[Any] = [None] * len(requests)
-        host = [i for i, request in enumerate(requests) if type(request[0]) is HostExtent]
-        if host:
-            self._check_process()
-            shared = self._outs.submit([(requests[i][0], requests[i][1], requests[i][3]) for i in host])
-            for i in host:
-                futures[i] = shared
-        for i, (extent, buf, checksum, ready) in enumerate(requests):
-            if futures[i] is None:
-                futures[i] = self.inner.submit_read(extent, buf, checksum=checksum, ready=ready)
-        return futures
+        return self._split(self._outs, requests, self.inner.submit_read)[0]
 
     def _copy_out(self, batch: list[tuple]) -> None:
         """On the read thread: copies back to the device, queued, not waited for: unpack makes

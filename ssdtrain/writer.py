@@ -210,7 +210,7 @@ class WriteQueue:
             if many is not None and batch:  # Note [tier copies are handed over a batch at a time]
                 submitting = batch
                 try:
-                    futures, shared = many([(e.extent, src, e.fence) for e, src in batch], checksum=self._verify)
+                    futures, shared = many([(e.extent, src, self._verify, e.fence) for e, src in batch])
                 except Exception as err:  # the pool is gone (closing) or the backend refused
                     submitting = None
                     for e, _ in batch:
