@@ -140,10 +140,14 @@ class Counters:
         total = self.total
         setattr(total, field, getattr(total, field) + amount)
         if scope_id is not None and field in _SCOPE_SET:  # a step's saves have none: most calls end here
-            per = self.per_scope.get(scope_id)
-            if per is None:
-                per = self.per_scope[scope_id] = dict.fromkeys(_SCOPE_FIELDS, 0)
-            per[field] += amount
+            self._per(scope_id)[field] += amount
+
+    def _per(self, scope_id: Any) -> dict[str, Any]:
+        """A micro-batch's own counts (made at its first)."""
+        per = self.per_scope.get(scope_id)
+        if per is None:
+            per = self.per_scope[scope_id] = dict.fromkeys(_SCOPE_FIELDS, 0)
+        return per
 
     def kept_new(self, scope_id: Any, nbytes: int, why: str | None) -> None:
         """A storage held as it is, first saved now (``SmallSaves.add``): its bytes add to the
@@ -155,9 +159,7 @@ class Counters:
         if why is not None:
             setattr(total, why, getattr(total, why) + nbytes)
         if scope_id is not None:
-            per = self.per_scope.get(scope_id)
-            if per is None:
-                per = self.per_scope[scope_id] = dict.fromkeys(_SCOPE_FIELDS, 0)
+            per = self._per(scope_id)
             per["unique_bytes"] += nbytes
             per["kept_bytes"] += nbytes
             if why in _SCOPE_SET:
