@@ -125,7 +125,6 @@ class HostPool:
         self._pin = pin
         self._slab = slab
         self._slabs: list[tuple[torch.Tensor, ExtentAllocator]] = []
-        self._bases: list[int] = []  # each slab's address
         self._lock = threading.Lock()
         self._pinning = 0  # bytes being pinned now
         self._thread = IOPool(1, "ssdtrain-pin") if background else None
@@ -186,7 +185,6 @@ class HostPool:
                 return
             with self._lock:
                 self._slabs.append((mem, ExtentAllocator(4096)))
-                self._bases.append(mem.data_ptr())
                 self.pinned += size
                 self._pinning = 0
                 if size >= self._big:
@@ -223,14 +221,13 @@ class HostPool:
 
     def address(self, ext: HostExtent) -> int:
         """The address of the extent's first byte."""
-        return self._bases[ext.slab] + ext.offset
+        return self._slabs[ext.slab][0].data_ptr() + ext.offset
 
     def close(self) -> None:
         if self._thread is not None:
             self._thread.shutdown(wait=True)
         with self._lock:
             self._slabs.clear()
-            self._bases.clear()
 
 
 class TieredBackend(Backend):

@@ -60,6 +60,7 @@ def test_pool_extents_do_not_overlap_and_views_hold_their_bytes():
     for i, e in enumerate(exts):
         v = pool.view(e)
         assert v.numel() == e.nbytes and bool((v == i).all())
+        assert pool.address(e) == v.data_ptr()  # where the runtime's copies go
 
 
 def test_a_save_larger_than_a_slab_gets_a_slab_of_its_size():
