@@ -106,8 +106,13 @@ class Fence:
 # (:func:`order`), else by waiting. On the CPU, ops are synchronous: the bytes are final when
 # pack runs.
 def producer_fence(t: torch.Tensor) -> Fence | None:
-    """A fence after the kernels that produced ``t`` (``None`` for host tensors), on an event
-    used before where one is idle (Note [a producer fence reuses its event])."""
+    """A fence after the kernels that produced ``t`` (``None`` for host tensors)."""
+    return _fence_here(t)
+
+
+def _fence_here(t: torch.Tensor) -> Fence | None:
+    """A fence at this point of the current stream of ``t``'s device (``None`` for host tensors),
+    on an event used before where one is idle (Note [a producer fence reuses its event])."""
     dev = t.device
     if dev.type != "cuda":
         return None
@@ -115,11 +120,12 @@ def producer_fence(t: torch.Tensor) -> Fence | None:
     idle = _idle_events.get(index)
     if idle is None:
         idle = _idle_events.setdefault(index, [])
-    return _ProducerFence(stream_of(torch._C._cuda_getCurrentStream(index)), dev, idle)
+    return _PooledFence(stream_of(torch._C._cuda_getCurrentStream(index)), dev, idle)
 
 
 # Note [a producer fence reuses its event]
-# Pack records a producer fence for every CUDA save it queues, on the training thread. With a new
+# Pack records a producer fence for every CUDA save it queues, on the training thread (and a
+# reload records a consumer fence for its buffers, the same way: ``_fence_here``). With a new
 # ``torch.cuda.Event`` each time (created in the driver at its first record, destroyed when the
 # fence died) and ``torch.cuda.current_stream()``, that cost about 14 us a save on an H100's host
 # (2026-11-25: 7 us for the stream object, 6.5 for recording a new event). So the stream comes
@@ -140,7 +146,7 @@ def stream_of(data: tuple) -> torch.cuda.Stream:
     return stream
 
 
-class _ProducerFence(Fence):
+class _PooledFence(Fence):
     """A :class:`Fence` whose event goes back to ``idle`` when it dies."""
 
     __slots__ = ("_idle",)
@@ -174,9 +180,7 @@ class _ProducerFence(Fence):
 # so the tensor is visible to any stream when unpack returns it.
 def consumer_fence(buf: torch.Tensor) -> Fence | None:
     """A fence after the kernels that may still use ``buf``'s memory (``None`` for host buffers)."""
-    if not is_cuda(buf):
-        return None
-    return Fence(torch.cuda.current_stream(buf.device))
+    return _fence_here(buf)
 
 
 def order(ready: Callable[[], None] | None, stream: torch.cuda.Stream) -> None:

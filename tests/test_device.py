@@ -63,6 +63,9 @@ def test_a_producer_fence_reuses_the_event_of_one_that_died(monkeypatch):
     d = device.producer_fence(Saved())
     assert d.event not in (b.event, c.event) and len(made) == 3  # none idle: a new one
     assert device.producer_fence(Saved()).stream is c.stream  # the stream's object, made once
+    event_d, count = d.event, len(made)
+    del d
+    assert device.consumer_fence(Saved()).event is event_d and len(made) == count  # a reload's fence too
 
 
 def test_order_calls_a_plain_callable_and_skips_none():
