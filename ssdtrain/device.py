@@ -34,7 +34,7 @@ import torch
 __all__ = [
     "is_cuda", "Fence", "producer_fence", "consumer_fence", "order", "copy_on_side_stream", "side_stream",
     "synchronize", "queue_copy", "staging", "pinned_empty", "on_device", "capturing", "for_consumer", "stream_source",
-    "stream_of",
+    "stream_of", "current_stream",
 ]
 
 log = logging.getLogger(__name__)
@@ -116,11 +116,10 @@ def _fence_here(t: torch.Tensor) -> Fence | None:
     dev = t.device
     if dev.type != "cuda":
         return None
-    index = dev.index
-    idle = _idle_events.get(index)
+    idle = _idle_events.get(dev.index)
     if idle is None:
-        idle = _idle_events.setdefault(index, [])
-    return _PooledFence(stream_of(torch._C._cuda_getCurrentStream(index)), dev, idle)
+        idle = _idle_events.setdefault(dev.index, [])
+    return _PooledFence(current_stream(dev), dev, idle)
 
 
 # Note [a producer fence reuses its event]
@@ -144,6 +143,11 @@ def stream_of(data: tuple) -> torch.cuda.Stream:
         stream = _stream_objects[data] = torch.cuda.Stream(stream_id=data[0], device_index=data[1],
                                                            device_type=data[2])
     return stream
+
+
+def current_stream(dev: torch.device) -> torch.cuda.Stream:
+    """``torch.cuda.current_stream(dev)``, at a third of its cost (a cached object)."""
+    return stream_of(torch._C._cuda_getCurrentStream(dev.index))
 
 
 class _PooledFence(Fence):

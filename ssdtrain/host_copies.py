@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from ssdtrain.device import Fence, _on, is_cuda, order, side_stream, stream_of
+from ssdtrain.device import Fence, _on, is_cuda, order, side_stream
 
 __all__ = [
-    "StreamRef", "stream_of", "name_stream", "queue_copies", "queue_to_host", "current_stream", "order_current", "OrderOnce",
+    "queue_copies", "queue_to_host", "OrderOnce",
     "room_above_peak", "device_limit", "allocator_peak", "allocated", "GpuTimer", "timed_copies", "copy_rate",
 ]
 
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 # *sees* done frees memory only after the peak that the allocator counts. Instead the engine
 # releases a save's device memory once its copy is *due* (predicted done by the time the compute
 # stream gets to where the host is now), after making the compute stream wait for ``landed``
-# (:func:`order_current`): the allocator may hand that memory to later work of the compute stream,
+# (:class:`OrderOnce`): the allocator may hand that memory to later work of the compute stream,
 # which the wait orders after the copy. The prediction only decides whether the compute stream
 # would wait; correctness never depends on it.
 # Note [copies are queued a batch at a time]
@@ -42,47 +42,21 @@ log = logging.getLogger(__name__)
 # about 15 us per save of slack: a GPU step is host-bound long before the device is. So the host
 # tier's copy thread takes the queued copies a batch at a time: one device and stream context,
 # each copy ordered after its producer's fence (recorded at pack, on the producer's stream), one
-# event after the batch. Letting the copy thread mark the producer's stream itself (``StreamRef``,
-# ``wait_stream`` at batch time) was tried and measured worse: the host runs ahead of the device,
+# event after the batch. Letting the copy thread mark the producer's stream itself (the stream named
+# at pack, ``wait_stream`` at batch time) was tried and measured worse: the host runs ahead of the device,
 # so a point marked at batch time lies far beyond the producer, the copy starts late, and the
 # compute stream, released in stream order, waits for it (x1.76 against x1.53 on the bench's GPU
-# shape). ``StreamRef`` remains for streams named where no point is needed.
-class StreamRef:
-    """A stream named by the C tuple of ``torch.cuda.current_stream`` (no Python object, no event)."""
-
-    __slots__ = ("data", "device")
-
-    def __init__(self, data: tuple, dev: torch.device) -> None:
-        self.data, self.device = data, dev
-
-    @property
-    def stream(self) -> torch.cuda.Stream:
-        return stream_of(self.data)
-
-
-def name_stream(t: torch.Tensor) -> StreamRef:
-    """The current stream of ``t``'s device, named cheaply (Note [the training thread names a
-    stream, the copy thread marks it])."""
-    return StreamRef(torch._C._cuda_getCurrentStream(t.device.index), t.device)
-
-
+# shape).
 def queue_copies(dsts: list[torch.Tensor], srcs: list[torch.Tensor], readys: list) -> Fence:
-    """Queues ``dst.copy_(src)`` for each pair on this I/O thread's side stream, after its
-    ``ready`` (a :class:`StreamRef`: the side stream waits for that stream's work queued so far,
-    once per stream; a :class:`Fence` or callable: :func:`order`), without waiting for them;
+    """Queues ``dst.copy_(src)`` for each pair on this I/O thread's side stream, after each of
+    ``readys`` (a :class:`Fence` or callable: :func:`order`), without waiting for them;
     returns one :class:`Fence` after all of them. Device destinations are tied to the side stream
     (``record_stream``): dropped before their copy ran, their blocks wait for it."""
     gpu = srcs[0].device if is_cuda(srcs[0]) else dsts[0].device
     with _on(gpu):
         stream = side_stream(gpu)
-        named = set()
         for ready in readys:
-            if isinstance(ready, StreamRef):
-                if ready.data not in named:
-                    named.add(ready.data)
-                    stream.wait_stream(stream_of(ready.data))
-            else:
-                order(ready, stream)
+            order(ready, stream)
         with torch.cuda.stream(stream):
             for dst, src in zip(dsts, srcs):
                 dst.copy_(src, non_blocking=True)
@@ -173,20 +147,10 @@ def _check(rt: Any, err: int, what: str) -> None:
         raise RuntimeError(f"{what} failed: {rt.cudaGetErrorString(err).decode(errors='replace')} ({err})")
 
 
-def current_stream(dev: torch.device) -> torch.cuda.Stream:
-    """``torch.cuda.current_stream(dev)``, at a third of its cost (a cached object)."""
-    return stream_of(torch._C._cuda_getCurrentStream(dev.index))
-
-
-def order_current(fence: Fence, stream: torch.cuda.Stream | None = None) -> None:
-    """``stream`` (default: the current stream of ``fence``'s device) waits for ``fence`` (Note
-    [a tier copy is released in stream order]); called on the training thread."""
-    fence.order(stream if stream is not None else current_stream(fence.device))
-
-
 class OrderOnce:
-    """:func:`order_current` that skips a repeat of the last (fence, stream): one fence marks a
-    whole batch of the tier's copies, whose saves are released or unpacked one after another."""
+    """Makes ``stream`` wait for ``fence`` (Note [a tier copy is released in stream order]), on the
+    training thread, skipping a repeat of the last (fence, stream): one fence marks a whole batch of
+    the tier's copies, whose saves are released or unpacked one after another."""
 
     __slots__ = ("last",)
 
@@ -196,7 +160,7 @@ class OrderOnce:
     def __call__(self, fence: Fence, stream: torch.cuda.Stream) -> None:
         if self.last != (fence, stream):
             self.last = (fence, stream)
-            order_current(fence, stream)
+            fence.order(stream)
 
 
 def room_above_peak(dev: torch.device, seen: int = 0, since: int | None = None) -> int:

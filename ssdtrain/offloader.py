@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ssdtrain import host_copies, hooks, keep
+from ssdtrain import device, host_copies, hooks, keep
 from ssdtrain.cache import Cache, Entry
 from ssdtrain.config import OffloadConfig
 from ssdtrain.endurance import EnduranceMonitor
@@ -339,7 +339,7 @@ class Offloader(hooks.SaveHooks):
             return True  # on a drive (its write is done), or copied with no device
         # The producer's stream used the save (it is the allocation stream, or the user tied the
         # tensor to it with record_stream): work it queues from now on runs after the copy.
-        self._ordered(ext.landed, e.fence.stream if e.fence is not None else host_copies.current_stream(e.device))
+        self._ordered(ext.landed, e.fence.stream if e.fence is not None else device.current_stream(e.device))
         return True
 
     def _copy_may_go(self, ext: Any) -> bool:

@@ -107,7 +107,7 @@ class Reader:
             back = getattr(e.extent, "back", None)  # the host tier's copy back, queued on a side stream
             self._cache.unload(e)
         if back is not None:
-            self._ordered(back, host_copies.current_stream(back.device))
+            self._ordered(back, device.current_stream(back.device))
         return out
 
     def wait(self, e: Entry, fut: Any) -> None:
