@@ -247,9 +247,9 @@ class WriteQueue:
             raise
 
     def _late(self, e: Entry) -> bool:
-        """Lock held: whether ``e``'s write, about to start, would end after its forward's peak;
-        if so it is not started, and ``e`` stays in memory."""
-        if self._gate is None or e.extent.path_index < 0 or self._gate(e.scope, e.nbytes, self._clock()):
+        """Lock held: whether ``e``'s write to a drive, about to start, would end after its
+        forward's peak; if so it is not started, and ``e`` stays in memory."""
+        if self._gate is None or self._gate(e.scope, e.nbytes, self._clock()):
             return False
         self.cancel(e)
         for field in ("kept_bytes", "peak_kept_bytes"):
@@ -362,8 +362,8 @@ class WriteQueue:
             self.inflight_bytes -= e.nbytes
             if drive:
                 self._drive_writing -= e.nbytes
-            if self._meter is not None and drive:
-                self._meter.finished(e.nbytes if err is None else 0, self._clock())
+                if self._meter is not None:
+                    self._meter.finished(e.nbytes if err is None else 0, self._clock())
 
     def _recount_writing(self) -> None:
         """Lock held: the bytes being written, derived from the flight records again."""
