@@ -31,7 +31,8 @@ from ssdtrain.schedule import DriveAdvice, KeepPolicy, ReadWindow, Scope, Scopes
 from ssdtrain.stats import Counters, OffloadStats
 from ssdtrain.store import Backend, make_backend
 from ssdtrain.reader import Reader
-from ssdtrain.tier import HostExtent, TieredBackend
+from ssdtrain.host_pool import HostExtent
+from ssdtrain.tier import TieredBackend
 from ssdtrain.writer import WriteFailures, WriteQueue
 
 __all__ = ["Offloader"]

@@ -15,7 +15,7 @@ from ssdtrain import offloader as offloader_mod
 from ssdtrain.bench.models import GPT, GPTConfig
 from ssdtrain.config import OffloadConfig
 from ssdtrain.copy_clock import COPY_SHARE, DUE_MARGIN, HOST_STRETCH, PROBE_SHARE, CopyClock
-from ssdtrain.tier import HostPool, auto_host_bytes
+from ssdtrain.host_pool import HostPool, auto_host_bytes
 
 from _equiv import assert_same, step
 
@@ -784,7 +784,7 @@ def test_a_safe_point_drains_for_a_lagging_copy_only_once_it_may_go(off_dir, tie
     neither due by the clock nor past its fence, a safe point does not drain."""
     from types import SimpleNamespace
 
-    from ssdtrain.tier import HostExtent
+    from ssdtrain.host_pool import HostExtent
     off = ssdtrain.Offloader(nn.Linear(4, 4), path=str(off_dir), min_bytes=0)
     try:
         drains = []
