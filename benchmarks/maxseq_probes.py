@@ -9,7 +9,6 @@ cut off or for comparing two modes at one length without searching again.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -55,9 +54,7 @@ def main() -> int:
         results.append(r)
         print(describe(r) + ("" if r["fits"] else f" {str(r.get('error') or '')[-300:]}"), flush=True)
         if ns.json:
-            Path(ns.json).write_text(json.dumps({"model": dataclasses.asdict(model), "device": args.device,
-                                                 "dtype": args.dtype, "budget_bytes": ns.memory_budget,
-                                                 "probes": results}, indent=1))
+            Path(ns.json).write_text(json.dumps({**args.head(), "probes": results}, indent=1))
     return 0
 
 

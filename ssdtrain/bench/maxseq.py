@@ -80,6 +80,11 @@ class MaxSeqArgs:
     progress: Callable[[str], None] | None = None
     partial: Callable[[dict], None] | None = None  # given the probes so far after each one (a search cut off keeps them)
 
+    def head(self) -> dict:
+        """What a ``--json`` file says of the setup, before its probes."""
+        return {"model": dataclasses.asdict(self.model), "device": self.device, "dtype": self.dtype,
+                "batch": self.batch, "budget_bytes": self.budget_bytes}
+
 
 def probe_in_child(spec: dict) -> dict:
     """One probe: ``{"seq", "fits", "peak_bytes", "step_s", "oom", "error"}``."""
@@ -262,8 +267,7 @@ def run_max_seq(args: MaxSeqArgs) -> dict:
     """Searches each mode's longest sequence; returns the ``--json`` structure (``max_seq``: a list
     of ``{"mode", "max_seq", "step_s"}``)."""
     say = args.progress or (lambda text: None)
-    head = {"model": dataclasses.asdict(args.model), "device": args.device, "dtype": args.dtype,
-            "batch": args.batch, "budget_bytes": args.budget_bytes}
+    head = args.head()
 
     def probe(mode: str, seq: int) -> dict:
         r = run_probe(args, mode, seq)
