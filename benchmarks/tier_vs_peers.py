@@ -170,6 +170,11 @@ def main(argv=None) -> int:
     if "offload_done" in args.modes:
         offs["offload_done"] = ssdtrain.Offloader(model, **path, **extra)
         offs["offload_done"]._tier.clock.schedule = lambda n: float("inf")
+    # Diagnostic: recompute+offload with the host's pacing off (Note [the host paces the copies]):
+    # what copying every block input it may costs the step, against the paced default.
+    if "recompute+offload_unpaced" in args.modes:
+        offs["recompute+offload_unpaced"] = ssdtrain.Offloader(model, min_bytes=0, **path, **extra)
+        offs["recompute+offload_unpaced"]._tier.clock._pace = lambda host: None
     peer = StreamedPinned(params)
     rate = d2h_rate()
     model.recompute = False
@@ -188,9 +193,10 @@ def main(argv=None) -> int:
         return contextlib.nullcontext()
 
     rows: dict[str, list[dict]] = {m: [] for m in modes}
+    trace: dict[str, list[tuple]] = {}  # each round: copy budget and copied (MiB), host forward (ms)
     for r in range(args.warmup + args.rounds):
         for mode in (modes if r % 2 == 0 else modes[::-1]):
-            model.recompute = mode in ("recompute", "recompute+offload")
+            model.recompute = mode == "recompute" or mode.startswith("recompute+offload")
             model.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -216,17 +222,20 @@ def main(argv=None) -> int:
                            tier_peak=s.host_tier_peak_bytes, spilled=s.spilled_bytes - before.spilled_bytes,
                            stall=s.stall_seconds - before.stall_seconds, copy_limit=s.host_copy_limit_bytes or 0)
                 offs[mode].wait()
+                trace.setdefault(mode, []).append((round(row["copy_limit"] / 2**20), round(row["host_copied"] / 2**20),
+                                                   round(launch * 1e3, 1)))
             if r >= args.warmup:
                 rows[mode].append(row)
     med = {m: {k: statistics.median(row[k] for row in rs) for k in rs[0]} for m, rs in rows.items() if rs}
     out = {"gpu": torch.cuda.get_device_name(), "shape": vars(args), "d2h_GBps": rate / 1e9,
-           "saved_bytes": saved, "checkpoint_bytes": saved_ckpt, "block_input_bytes": block_inputs, "modes": med}
+           "saved_bytes": saved, "checkpoint_bytes": saved_ckpt, "block_input_bytes": block_inputs, "modes": med,
+           "trace": trace}
     base = med.get("baseline")
     rec = med.get("recompute")
     print(f"{out['gpu']}: D2H {rate / 1e9:.1f} GB/s; saved {saved / 2**30:.2f} GiB (>= 1 MiB), "
           f"checkpointed {saved_ckpt / 2**30:.2f} GiB")
     for m, v in med.items():
-        ref = rec if m == "recompute+offload" and rec else base
+        ref = rec if m.startswith("recompute+offload") and rec else base
         line = (f"{m:18s} step {v['step_s'] * 1e3:7.1f} ms (device fwd {v['fwd_s'] * 1e3:.1f}, bwd {v['bwd_s'] * 1e3:.1f};"
                 f" host fwd {v['fwd_host_s'] * 1e3:.1f})")
         if ref is not None and m not in ("baseline",):
@@ -239,7 +248,7 @@ def main(argv=None) -> int:
                 bound = min(rate * base["fwd_s"], saved)
                 v["bound"], v["fall_of_bound"] = bound, fall / bound
                 line += f", {fall / bound:.0%} of the bound {bound / 2**30:.2f} GiB"
-            if m == "recompute+offload":
+            if m.startswith("recompute+offload"):
                 v["checkpoints_off"] = fall / saved_ckpt
                 v["block_inputs_off"] = fall / block_inputs
                 line += (f", {fall / saved_ckpt:.0%} of what checkpointing saves ({fall / block_inputs:.0%} of the block"
@@ -249,6 +258,8 @@ def main(argv=None) -> int:
                      f" stall {v['stall'] * 1e3:.1f} ms,"
                      f" tier peak {v['tier_peak'] / 2**30:.2f}, copy budget {v['copy_limit'] / 2**30:.2f} GiB")
         print(line, flush=True)
+    for m, t in trace.items():
+        print(f"{m:18s} each round (budget MiB, copied MiB, host fwd ms): {t}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
