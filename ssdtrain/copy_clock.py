@@ -53,6 +53,19 @@ own reference (Note [a forward whose copies are cheap is its own reference])."""
 # recompute trains, asking 512 MiB with 169-228 MiB of the cap reserved but unallocated. Which of
 # its steps did is not known (no GPU since): this margin is a guess at the cause, not a proof.
 
+# Note [a copy is due from its hand-over]
+# A copy's due position is set when the write queue hands it to the copy thread, from the forward
+# position then, not when its save was packed: a tier save is held until the next save comes (Note
+# [the last save waits]) and handed over a batch at a time (Note [tier copies are handed over a
+# batch at a time]), so under checkpointing a block input's copy is queued a block after its pack.
+# Due from its pack, it was due as soon as it was queued: released at once, the compute stream
+# waited for the whole copy at every block. On an H200 (2026-11-27, the bench's GPU shape, 12
+# block inputs of 32 MiB) that made recompute+offload x1.205 of recompute, its device forward 37.7
+# ms against 25.8, and the host's pacing (Note [the host paces the copies]) cut the copies to a
+# third of the block inputs to get back to x1.07. ``allows`` counts the bytes allowed and not yet
+# handed over (``pending``) as queued ahead of a new copy, so a copy due after forward's end is
+# still refused.
+
 # Note [a first step's copies are due at once]: before the rates are known (the first steps, and
 # those whose reference forward waits for room), a copy is due as soon as it is queued: it is
 # released, in stream order, at the next look, and the compute stream waits for it from there.
@@ -95,6 +108,7 @@ class CopyClock:
         self.limit: int | None = None    # bytes a forward may copy; None: not learned yet
         self.pos = 0
         self.tail = 0.0
+        self.pending = 0  # bytes allowed and not handed to the copy thread yet (Note [a copy is due from its hand-over])
         self.sent = 0
         self.closed = False  # this forward was refused a copy: the rest of it is kept
         self.limited = False  # ... by the limit (not for a copy due after forward's end)
@@ -116,7 +130,7 @@ class CopyClock:
         (it is measured for the reference), unless the device has no ``room`` for what the last
         forward copied: then it copies as before the rate was known."""
         last = self.sent
-        self.pos, self.tail, self.sent, self.closed, self.limited = 0, 0.0, 0, False, False
+        self.pos, self.tail, self.pending, self.sent, self.closed, self.limited = 0, 0.0, 0, 0, False, False
         if self.wants_reference():
             if room or not last:
                 self.limit = 0
@@ -135,15 +149,25 @@ class CopyClock:
         if self.limit is not None and self.sent + nbytes > self.limit:
             self.closed = self.limited = True
             return False
-        if self.ratio is not None and max(self.tail, self.pos) + nbytes * self.ratio * DUE_MARGIN > self.total:
+        if self.ratio is not None and \
+                max(self.tail, self.pos) + (self.pending + nbytes) * self.ratio * DUE_MARGIN > self.total:
             self.closed = True
             return False
         self.sent += nbytes
+        self.pending += nbytes
         return True
 
+    def dropped(self, nbytes: int) -> None:
+        """A save of ``nbytes`` that :meth:`allows` let through is not copied after all (the pool
+        had no room): no copy of it will be handed over."""
+        self.pending = max(0, self.pending - nbytes)
+
     def schedule(self, nbytes: int) -> float:
-        """The position at which a copy of ``nbytes`` queued now is due: at once while the rates
-        are not known (Note [a first step's copies are due at once])."""
+        """The position at which a copy of ``nbytes`` handed to the copy thread now is due: at
+        once while the rates are not known (Note [a first step's copies are due at once]); else
+        after the copies handed over before it, and no sooner than from now (Note [a copy is due
+        from its hand-over])."""
+        self.pending = max(0, self.pending - nbytes)
         if self.ratio is None:
             return self.pos
         self.tail = max(self.tail, self.pos) + nbytes * self.ratio * DUE_MARGIN

@@ -133,9 +133,9 @@ class SaveHooks:
             self._writer.passed(scope, n)  # pumped by pack's caller if so: the entry is not queued
             return e
         extent = self._tier.allocate_host(n, e.device) if tier else None
-        if extent is not None:
-            extent.due = self._tier.clock.schedule(n)
-        elif tier and self.config.when_full == "keep" and not self._budget.allows(n):
+        if extent is None and tier:
+            self._tier.clock.dropped(n)  # due is set at hand-over: Note [a copy is due from its hand-over]
+        if extent is None and tier and self.config.when_full == "keep" and not self._budget.allows(n):
             self._counters.add(scope.stats_id, "kept_bytes", n)
             self._counters.add(scope.stats_id, "budget_kept_bytes", n)
             return e

@@ -111,7 +111,8 @@ class Offloader(hooks.SaveHooks):
         self._writer = WriteQueue(self._backend, self._cache, self._lock, max_inflight_bytes=config.max_inflight_bytes,
                                   max_writing_bytes=writing, verify=config.verify, budget=self._budget,
                                   failures=self._failures, endurance=self._endurance, meter=self._meter,
-                                  clock=_clock, gate=self._peak.may_start)
+                                  clock=_clock, gate=self._peak.may_start,
+                                  due=self._tier.clock.schedule if self._tier is not None else None)
         self._graveyard: deque = deque()
         self._window = ReadWindow(max(2 * config.chunk_bytes, 16 << 20), config.prefetch_bytes, hooks._now())
         self._reader = Reader(self._backend, self._cache, self._lock, self._window, self._budget,

@@ -58,12 +58,15 @@ class WriteQueue:
             (the host tier's are not the drive's), with ``clock``'s times.
         gate: ``gate(scope, nbytes, now)``, whether a queued drive write may start now
             (:meth:`ssdtrain.peak.PeakClock.may_start`); one it refuses stays in memory.
+        due: ``due(nbytes)``, the forward position at which a host-tier copy handed over now is
+            due (:meth:`ssdtrain.copy_clock.CopyClock.schedule`; Note [a copy is due from its
+            hand-over]); set on its extent as it is handed over.
     """
 
     def __init__(self, backend: Backend, cache: Cache, lock: threading.Lock, *, max_inflight_bytes: int,
                  max_writing_bytes: int, verify: bool, budget: Any, failures: WriteFailures,
                  endurance: Any = None, meter: Any = None, clock: Any = time.perf_counter,
-                 gate: Any = None) -> None:
+                 gate: Any = None, due: Any = None) -> None:
         self._backend = backend
         self._cache = cache
         # ``with`` takes the lock itself: Condition.__enter__ is Python code, and a
@@ -79,6 +82,7 @@ class WriteQueue:
         self._meter = meter
         self._clock = clock
         self._gate = gate
+        self._due = due
         self._queue: deque[Entry] = deque()
         self.inflight_bytes = 0  # queued (held too) or being written
         self._flight: dict[int, tuple[Entry, Any]] = {}  # entry id -> (entry, future): being written
@@ -197,6 +201,8 @@ class WriteQueue:
                     if drive and self._late(e):
                         pass  # Note [write what leaves before the peak]: kept (by _late)
                     elif e.state is State.QUEUED:
+                        if not drive and self._due is not None:  # Note [a copy is due from its hand-over]
+                            e.extent.due = self._due(e.nbytes)
                         batch.append((e, e.data))
                         e.state = State.WRITING
                         self._flight[e.id] = (e, None)
