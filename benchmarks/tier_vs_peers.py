@@ -24,8 +24,10 @@ for ``recompute+offload``, the share of the checkpoints' bytes kept off the devi
 from __future__ import annotations
 
 import argparse
+import cProfile
 import contextlib
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -147,7 +149,12 @@ def main(argv=None) -> int:
     ap.add_argument("--path", default=None)
     ap.add_argument("--host-bytes", default=None, help="the offloaders' host_bytes (default: theirs)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", default=None, metavar="MODE",
+                    help="after the rounds, profile the host side of 5 of MODE's steps (cProfile, all of the "
+                         "training thread's calls), to find what its forward's host time goes to")
     args = ap.parse_args(argv)
+    if args.profile is not None and args.profile not in args.modes.split(","):
+        ap.error(f"--profile {args.profile}: not one of --modes ({args.modes}); add it there")
     if not torch.cuda.is_available():
         print("tier_vs_peers: no CUDA device")
         return 1
@@ -192,12 +199,24 @@ def main(argv=None) -> int:
             return peer
         return contextlib.nullcontext()
 
+    def begin(mode):
+        model.recompute = mode == "recompute" or mode.startswith("recompute+offload")
+        model.zero_grad(set_to_none=True)
+
+    def run_step(mode):  # untimed (--profile)
+        begin(mode)
+        with ctx(mode):
+            loss = model(x, y)
+        loss.backward()
+        torch.cuda.synchronize()
+        if mode in offs:
+            offs[mode].wait()
+
     rows: dict[str, list[dict]] = {m: [] for m in modes}
     trace: dict[str, list[tuple]] = {}  # each round: copy budget and copied (MiB), host forward (ms)
     for r in range(args.warmup + args.rounds):
         for mode in (modes if r % 2 == 0 else modes[::-1]):
-            model.recompute = mode == "recompute" or mode.startswith("recompute+offload")
-            model.zero_grad(set_to_none=True)
+            begin(mode)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             start = torch.cuda.memory_allocated()
@@ -263,6 +282,15 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
+    if args.profile:
+        prof = cProfile.Profile()
+        for _ in range(5):
+            prof.enable()
+            run_step(args.profile)
+            prof.disable()
+        print(f"--- {args.profile}: 5 steps' calls on the training thread (forward and backward)")
+        for key in ("tottime", "cumulative"):
+            pstats.Stats(prof).sort_stats(key).print_stats(25)
     for off in offs.values():
         off.close()
     return 0
