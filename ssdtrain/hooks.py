@@ -133,12 +133,12 @@ class SaveHooks:
             self._writer.passed(scope, n)  # pumped by pack's caller if so: the entry is not queued
             return e
         extent = self._tier.allocate_host(n, e.device) if tier else None
-        if extent is None and tier:
-            self._tier.clock.dropped(n)  # due is set at hand-over: Note [a copy is due from its hand-over]
-        if extent is None and tier and self.config.when_full == "keep" and not self._budget.allows(n):
-            self._counters.add(scope.stats_id, "kept_bytes", n)
-            self._counters.add(scope.stats_id, "budget_kept_bytes", n)
-            return e
+        if extent is None and tier:  # the pool had no room: no copy of it is handed over
+            self._tier.clock.dropped(n)  # Note [a copy is due from its hand-over]
+            if self.config.when_full == "keep" and not self._budget.allows(n):
+                self._counters.add(scope.stats_id, "kept_bytes", n)
+                self._counters.add(scope.stats_id, "budget_kept_bytes", n)
+                return e
         try:
             if extent is None:
                 extent = self._backend.allocate(n)
