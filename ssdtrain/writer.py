@@ -347,17 +347,18 @@ class WriteQueue:
         """Lock held: the bookkeeping of ``e``'s finished write (nothing if it was settled)."""
         if e.id not in self._flight:
             return
-        drive = getattr(e.extent, "path_index", 0) >= 0  # read first: the extent may go below
+        # Read first: the extent may go below (written() frees a dead entry's).
+        path = getattr(e.extent, "path_index", 0)
+        drive = path >= 0  # a drive's (the host tier's extents have none)
         # The entry's state first, the flight record last: an interrupt in between (this runs
         # inline on the main thread for a write done before its callback was added) leaves
         # the record, and heal() finishes it again, idempotently: the entry has left WRITING
         # (or, dead, its extent is gone), so nothing is counted twice.
         unsettled = e.state is State.WRITING or (e.state is State.FREED and e.extent is not None)
         if unsettled and err is None:
-            path = e.extent.path_index  # read first: written() frees a dead entry's extent
             if self._cache.written(e, fut.result()):
                 self.completed.append(e)
-            if path >= 0:  # a drive's (the host tier's extents have none)
+            if drive:
                 self._budget.written(e.nbytes, e.scope.tally)
                 if self._endurance is not None:
                     self._endurance.record(path, e.nbytes)
