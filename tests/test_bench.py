@@ -591,3 +591,26 @@ def test_copy_issue_cost_benchmark_smoke(tmp_path, capsys):
     assert set(rows) == {"alone", "torch"}
     assert rows["alone"]["loop_us_per_launch"] > 0 and rows["torch"]["thread_us_per_copy"] > 0
     assert rows["alone"]["extra_us_per_copy"] is None and rows["torch"]["extra_us_per_copy"] is not None
+
+
+def test_spy_summary_counts_each_threads_own_and_inclusive_samples(tmp_path, capsys):
+    """benchmarks/spy_summary.py on py-spy's raw format: samples per thread, busiest first; a
+    sample's own frame is its last; a frame on a stack twice (recursion) counts once per sample;
+    lines that are not samples are skipped."""
+    module = _benchmark("spy_summary")
+    raw = tmp_path / "spy.txt"
+    raw.write_text(
+        'process 7:"python x.py";thread (0x1): MainThread;main (/w/x.py:3);f (/w/m.py:9);f (/w/m.py:9);'
+        "addmm (libtorch_cuda.so) 6\n"
+        'process 7:"python x.py";thread (0x1): MainThread;main (/w/x.py:3);wait (/w/q.py:1) 2\n'
+        'process 7:"python x.py";thread (0x2);run (/w/tier.py:40) 3\n'
+        "py-spy> not a sample\n")
+    assert module.main([str(raw), "--top", "5"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].split() == ["8", "samples", "thread", "(0x1):", "MainThread"]
+    assert lines[1].split() == ["3", "samples", "thread", "(0x2)"]
+    main_own = out.split("MainThread: 8 samples; own")[1].split("===")[0]
+    assert "6  75.0%  addmm libtorch_cuda.so" in main_own and "2  25.0%  wait q.py:1" in main_own
+    main_stack = out.split("MainThread: on the stack (inclusive)")[1].split("===")[0]
+    assert "8 100.0%  main x.py:3" in main_stack and "6  75.0%  f m.py:9" in main_stack
