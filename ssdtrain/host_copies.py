@@ -19,7 +19,7 @@ import torch
 from ssdtrain.device import Fence, _on, is_cuda, order, side_stream
 
 __all__ = [
-    "queue_copies", "queue_to_host", "OrderOnce",
+    "queue_copies", "queue_to_host", "queue_to_device", "OrderOnce",
     "room_above_peak", "device_limit", "allocator_peak", "allocated", "GpuTimer", "timed_copies", "copy_rate",
 ]
 
@@ -76,6 +76,7 @@ def queue_copies(dsts: list[torch.Tensor], srcs: list[torch.Tensor], readys: lis
 # the side stream torch made), through the ``libcudart`` torch itself loaded; where there is none
 # (a build with the runtime linked in), where ``SSDTRAIN_NO_EXT`` asks for no native calls, or
 # once a call failed (its error cleared, a warning), they go through torch as before.
+_FENCE = Fence  # what a ready must be to be waited for on the device (the class, not a seam)
 _DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)
 _runtime: Any = None  # the ctypes library once looked for; False: none, or no longer used
 
@@ -118,11 +119,43 @@ def queue_to_host(addresses: list[int], srcs: list[torch.Tensor], readys: list[F
     released (Note [the copy thread issues copies without the GIL]); returns a :class:`Fence`
     after all of them, or ``None`` (nothing queued) where the runtime cannot be called directly:
     then the caller queues them through torch (:func:`queue_copies`)."""
+    return _queue_raw(srcs[0].device, [(a, src.data_ptr(), src.nbytes) for a, src in zip(addresses, srcs)], readys)
+
+
+# Note [reads back are issued without the GIL too]
+# Backward's copies from the pool to the device go through the runtime as the copies in do
+# (``cudaStreamWaitEvent`` for the buffers' allocation point and for the copy in,
+# ``cudaMemcpyAsync`` for the bytes), so that the read thread holds the GIL no longer than the
+# copy thread does while autograd's thread runs the unpack hooks and the recomputed blocks; each
+# buffer is still tied to the side stream (``record_stream``) through torch. What it is worth
+# alone is not measured: on an H200 (2026-11-27, benchmarks/tier_host_cost.py, recompute+offload
+# with every block input copied) both directions through the runtime against both through torch
+# were within the run's noise (89.0 against 88.6 ms a step, and 98.5 against 96.8 on a slower
+# host); the GPU tests pass both ways (tests/gpu/test_gpu_tier.py).
+def queue_to_device(dsts: list[torch.Tensor], addresses: list[int], readys: list) -> Fence | None:
+    """Queues the copy of the pinned host bytes at each address into the matching device tensor
+    (``dst.nbytes`` of them), on this I/O thread's side stream, after each of ``readys`` (each a
+    :class:`Fence` or ``None``), with the GIL released (Note [reads back are issued without the
+    GIL too]); returns a :class:`Fence` after all of them, or ``None`` (nothing queued) where the
+    runtime cannot be called directly or a ready is not a fence: then the caller queues them
+    through torch (:func:`queue_copies`)."""
+    if not all(ready is None or isinstance(ready, _FENCE) for ready in readys):
+        return None
+    fence = _queue_raw(dsts[0].device, [(dst.data_ptr(), a, dst.nbytes) for dst, a in zip(dsts, addresses)], readys)
+    if fence is not None:
+        for dst in dsts:
+            dst.record_stream(fence.stream)
+    return fence
+
+
+def _queue_raw(gpu: torch.device, copies: list[tuple[int, int, int]], readys: list[Fence | None]) -> Fence | None:
+    """Queues ``cudaMemcpyAsync(dst, src, nbytes)`` for each ``(dst, src, nbytes)`` on this I/O
+    thread's side stream of ``gpu``, after each fence of ``readys``; a :class:`Fence` after all
+    of them, or ``None`` where the runtime cannot be called directly (nothing queued then)."""
     global _runtime
     rt = _cudart()
     if rt is None:
         return None
-    gpu = srcs[0].device
     with _on(gpu):
         stream = side_stream(gpu)
         raw = stream.cuda_stream
@@ -132,8 +165,8 @@ def queue_to_host(addresses: list[int], srcs: list[torch.Tensor], readys: list[F
                 if ready is not None and ready.event is not last:  # neighbours may share one fence
                     last = ready.event
                     _check(rt, rt.cudaStreamWaitEvent(raw, ready.event.cuda_event, 0), "cudaStreamWaitEvent")
-            for address, src in zip(addresses, srcs):
-                _check(rt, rt.cudaMemcpyAsync(address, src.data_ptr(), src.nbytes, _DEFAULT, raw), "cudaMemcpyAsync")
+            for dst, src, nbytes in copies:
+                _check(rt, rt.cudaMemcpyAsync(dst, src, nbytes, _DEFAULT, raw), "cudaMemcpyAsync")
         except RuntimeError as e:
             _runtime = False
             log.warning("ssdtrain: %s; the host tier's copies go through torch from now on", e)

@@ -208,18 +208,20 @@ class TieredBackend(Backend):
         """On the read thread: copies back to the device, queued, not waited for: unpack makes
         the compute stream wait for ``extent.back`` (``Reader.finish``)."""
         for part in _by_device(batch):
-            srcs = [self.pool.view(ext) for ext, _, _ in part]
             dsts = [dst for _, dst, _ in part]
             if device.is_cuda(dsts[0]):
                 # After the allocation point of each buffer, and after the copy in of its bytes
                 # (on the device: the copy in is long done, almost always).
                 readys = list({id(ready): ready for _, _, ready in part if ready is not None}.values())
                 readys += {id(e.landed): e.landed for e, _, _ in part if e.landed is not None}.values()
-                fence = host_copies.queue_copies(dsts, srcs, readys)
+                # Note [reads back are issued without the GIL too]; through torch where they cannot be
+                fence = host_copies.queue_to_device(dsts, [self.pool.address(ext) for ext, _, _ in part], readys)
+                if fence is None:
+                    fence = host_copies.queue_copies(dsts, [self.pool.view(ext) for ext, _, _ in part], readys)
                 for ext, _, _ in part:
                     ext.back = fence
             else:
-                for (ext, dst, ready), src in zip(part, srcs):
+                for (ext, dst, ready), src in zip(part, [self.pool.view(ext) for ext, _, _ in part]):
                     if ready is not None:
                         ready()
                     ctypes.memmove(dst.data_ptr(), src.data_ptr(), ext.nbytes)

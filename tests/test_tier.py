@@ -686,6 +686,44 @@ def test_tier_copies_are_handed_over_a_batch_at_a_time(off_dir, tier_on_cpu, mon
         assert seen[criterion, "after"], criterion
 
 
+class _Runtime:
+    """The CUDA runtime's calls the tier makes, recorded in ``calls``; a copy returns ``fail``."""
+
+    fail = 0
+
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    def cudaStreamWaitEvent(self, stream, event, flags):
+        self.calls.append(("wait", stream, event, flags))
+        return 0
+
+    def cudaMemcpyAsync(self, dst, src, n, kind, stream):
+        self.calls.append(("copy", dst, src, n, kind, stream))
+        return self.fail
+
+    def cudaGetLastError(self):
+        self.calls.append(("clear",))
+        return 0
+
+    def cudaGetErrorString(self, err):
+        return b"an illegal memory access was encountered"
+
+
+class _Stream:
+    cuda_stream = 0x5000
+
+
+class _Event:
+    def __init__(self, handle):
+        self.cuda_event = handle
+
+
+class _Fence:
+    def __init__(self, handle, stream=None):
+        self.event, self.stream = _Event(handle), stream
+
+
 def test_copies_to_the_pool_call_the_runtime_directly_and_fall_back_to_torch(monkeypatch, caplog):
     """Note [the copy thread issues copies without the GIL], with the CUDA runtime, the side
     stream and the fences stood in for: one wait per producer fence (a fence shared by neighbours
@@ -697,48 +735,18 @@ def test_copies_to_the_pool_call_the_runtime_directly_and_fall_back_to_torch(mon
     from ssdtrain import host_copies
 
     calls = []
-
-    class Runtime:
-        fail = 0
-
-        def cudaStreamWaitEvent(self, stream, event, flags):
-            calls.append(("wait", stream, event, flags))
-            return 0
-
-        def cudaMemcpyAsync(self, dst, src, n, kind, stream):
-            calls.append(("copy", dst, src, n, kind, stream))
-            return self.fail
-
-        def cudaGetLastError(self):
-            calls.append(("clear",))
-            return 0
-
-        def cudaGetErrorString(self, err):
-            return b"an illegal memory access was encountered"
-
-    class Stream:
-        cuda_stream = 0x5000
-
-    class Event:
-        def __init__(self, handle):
-            self.cuda_event = handle
-
-    class Fence:
-        def __init__(self, handle):
-            self.event = Event(handle)
-
     fences = []
     monkeypatch.setattr(host_copies, "_on", lambda dev: contextlib.nullcontext())
-    monkeypatch.setattr(host_copies, "side_stream", lambda dev: Stream())
+    monkeypatch.setattr(host_copies, "side_stream", lambda dev: _Stream())
     monkeypatch.setattr(host_copies, "Fence", lambda stream: fences.append(stream) or "landed")
-    rt = Runtime()
+    rt = _Runtime(calls)
     monkeypatch.setattr(host_copies, "_runtime", rt)
     srcs = [torch.zeros(n, dtype=torch.uint8) for n in (100, 200, 300)]
-    first, second = Fence(0xA1), Fence(0xA2)
+    first, second = _Fence(0xA1), _Fence(0xA2)
     assert host_copies.queue_to_host([0x10000, 0x20000, 0x30000], srcs, [first, first, second]) == "landed"
     assert calls == [("wait", 0x5000, 0xA1, 0), ("wait", 0x5000, 0xA2, 0)] + [
         ("copy", a, s.data_ptr(), s.nbytes, 4, 0x5000) for a, s in zip((0x10000, 0x20000, 0x30000), srcs)]
-    assert len(fences) == 1 and isinstance(fences[0], Stream)
+    assert len(fences) == 1 and isinstance(fences[0], _Stream)
 
     calls.clear()
     rt.fail = 700
@@ -748,6 +756,47 @@ def test_copies_to_the_pool_call_the_runtime_directly_and_fall_back_to_torch(mon
     assert host_copies._cudart() is None  # torch's way from now on
     calls.clear()
     assert host_copies.queue_to_host([0x10000], srcs[:1], [None]) is None and calls == []
+
+
+def test_copies_back_to_the_device_call_the_runtime_directly(monkeypatch):
+    """Note [reads back are issued without the GIL too], with the runtime, the side stream and the
+    fences stood in for: one wait per fence (allocation points, the copy in), one copy per buffer
+    from the pool's address into the buffer, of the buffer's bytes, on the side stream; each buffer
+    tied to that stream; a ready that is not a fence (a host wait) leaves them to torch."""
+    import contextlib
+
+    from ssdtrain import host_copies
+
+    calls = []
+
+    class Buffer:  # a device buffer: its address, its size, the streams it was tied to
+        def __init__(self, ptr, n):
+            self.ptr, self.nbytes, self.streams = ptr, n, []
+            self.device = torch.device("cpu")
+
+        def data_ptr(self):
+            return self.ptr
+
+        def record_stream(self, stream):
+            self.streams.append(stream)
+
+    side = _Stream()
+    monkeypatch.setattr(host_copies, "_on", lambda dev: contextlib.nullcontext())
+    monkeypatch.setattr(host_copies, "side_stream", lambda dev: side)
+    monkeypatch.setattr(host_copies, "Fence", lambda stream: _Fence(0xF0, stream))
+    monkeypatch.setattr(host_copies, "_FENCE", _Fence)
+    monkeypatch.setattr(host_copies, "_runtime", _Runtime(calls))
+    dsts = [Buffer(0x90000, 100), Buffer(0xA0000, 300)]
+    alloc, landed = _Fence(0xA1), _Fence(0xA2)
+    fence = host_copies.queue_to_device(dsts, [0x10000, 0x20000], [alloc, landed, landed])
+    assert isinstance(fence, _Fence) and fence.stream is side
+    assert calls == [("wait", 0x5000, 0xA1, 0), ("wait", 0x5000, 0xA2, 0),
+                     ("copy", 0x90000, 0x10000, 100, 4, 0x5000), ("copy", 0xA0000, 0x20000, 300, 4, 0x5000)]
+    assert [d.streams for d in dsts] == [[side], [side]]
+
+    calls.clear()
+    assert host_copies.queue_to_device(dsts, [0x10000, 0x20000], [alloc, lambda: None]) is None
+    assert calls == [] and [d.streams for d in dsts] == [[side], [side]]
 
 
 def test_no_runtime_calls_where_native_code_is_disabled(monkeypatch):

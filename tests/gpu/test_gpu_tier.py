@@ -39,8 +39,9 @@ def test_tier_exact(dtype, second_stream, order, tmp_path, sleep):
 
 @pytest.mark.parametrize("copies", ["runtime", "torch"])
 def test_tier_copies_through_the_runtime_or_torch_are_exact(copies, tmp_path, sleep, monkeypatch):
-    # Note [the copy thread issues copies without the GIL]: the direct calls are what runs here
-    # (torch's wheels load libcudart), and torch's way, the fallback, is exact as well.
+    # Note [the copy thread issues copies without the GIL], Note [reads back are issued without
+    # the GIL too]: the direct calls, both ways, are what runs here (torch's wheels load
+    # libcudart), and torch's way, the fallback, is exact as well.
     from ssdtrain import host_copies
     if copies == "torch":
         monkeypatch.setattr(host_copies, "_runtime", False)
