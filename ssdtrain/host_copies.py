@@ -75,8 +75,10 @@ def queue_copies(dsts: list[torch.Tensor], srcs: list[torch.Tensor], readys: lis
 # that way (``cudaStreamWaitEvent`` for each producer fence, ``cudaMemcpyAsync`` for each copy, on
 # the side stream torch made), through the ``libcudart`` torch itself loaded; where there is none
 # (a build with the runtime linked in), where ``SSDTRAIN_NO_EXT`` asks for no native calls, or
-# once a call failed (its error cleared, a warning), they go through torch as before.
-_FENCE = Fence  # what a ready must be to be waited for on the device (the class, not a seam)
+# once a call failed (its error cleared, a warning), they go through torch as before. Later runs of
+# the same benchmark were noisy (on another H200 host the same day, 22:11 UTC: ctypes +31 us a copy
+# issued, torch +19): the gain per copy is not settled.
+_FENCE = Fence  # what a ready must be to be waited for on the device (a name the tests' stand-ins replace)
 _DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)
 _runtime: Any = None  # the ctypes library once looked for; False: none, or no longer used
 
@@ -113,12 +115,12 @@ def _load_cudart() -> Any:
         return None
 
 
-def queue_to_host(addresses: list[int], srcs: list[torch.Tensor], readys: list[Fence | None]) -> Fence | None:
+def queue_to_host(addresses: list[int], srcs: list[torch.Tensor], readys: list) -> Fence | None:
     """Queues the copy of each device tensor in ``srcs`` to the pinned host memory at the matching
     address, on this I/O thread's side stream, each after its producer fence, with the GIL
     released (Note [the copy thread issues copies without the GIL]); returns a :class:`Fence`
-    after all of them, or ``None`` (nothing queued) where the runtime cannot be called directly:
-    then the caller queues them through torch (:func:`queue_copies`)."""
+    after all of them, or ``None`` (nothing queued) where the runtime cannot be called directly
+    or a ready is not a fence: then the caller queues them through torch (:func:`queue_copies`)."""
     return _queue_raw(srcs[0].device, [(a, src.data_ptr(), src.nbytes) for a, src in zip(addresses, srcs)], readys)
 
 
@@ -139,8 +141,6 @@ def queue_to_device(dsts: list[torch.Tensor], addresses: list[int], readys: list
     GIL too]); returns a :class:`Fence` after all of them, or ``None`` (nothing queued) where the
     runtime cannot be called directly or a ready is not a fence: then the caller queues them
     through torch (:func:`queue_copies`)."""
-    if not all(ready is None or isinstance(ready, _FENCE) for ready in readys):
-        return None
     fence = _queue_raw(dsts[0].device, [(dst.data_ptr(), a, dst.nbytes) for dst, a in zip(dsts, addresses)], readys)
     if fence is not None:
         for dst in dsts:
@@ -148,11 +148,14 @@ def queue_to_device(dsts: list[torch.Tensor], addresses: list[int], readys: list
     return fence
 
 
-def _queue_raw(gpu: torch.device, copies: list[tuple[int, int, int]], readys: list[Fence | None]) -> Fence | None:
+def _queue_raw(gpu: torch.device, copies: list[tuple[int, int, int]], readys: list) -> Fence | None:
     """Queues ``cudaMemcpyAsync(dst, src, nbytes)`` for each ``(dst, src, nbytes)`` on this I/O
     thread's side stream of ``gpu``, after each fence of ``readys``; a :class:`Fence` after all
-    of them, or ``None`` where the runtime cannot be called directly (nothing queued then)."""
+    of them, or ``None`` (nothing queued) where the runtime cannot be called directly or a ready
+    is not a fence (a host wait: torch's way calls it)."""
     global _runtime
+    if not all(ready is None or isinstance(ready, _FENCE) for ready in readys):
+        return None
     rt = _cudart()
     if rt is None:
         return None

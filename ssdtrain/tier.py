@@ -174,18 +174,15 @@ class TieredBackend(Backend):
             srcs = [src for _, src, _ in part]
             if device.is_cuda(srcs[0]):
                 readys = [ready for _, _, ready in part]
-                fence = None
-                if all(ready is None or isinstance(ready, device.Fence) for ready in readys):
-                    fence = host_copies.queue_to_host([self.pool.address(ext) for ext, _, _ in part], srcs, readys)
+                fence = host_copies.queue_to_host([self.pool.address(ext) for ext, _, _ in part], srcs, readys)
                 if fence is None:
                     fence = host_copies.queue_copies([self.pool.view(ext) for ext, _, _ in part], srcs, readys)
             else:  # the tests' way through the tier: host to host, done at once
-                dsts = [self.pool.view(ext) for ext, _, _ in part]
                 fence = None
-                for (ext, src, ready), dst in zip(part, dsts):
+                for ext, src, ready in part:
                     if ready is not None:
                         ready()
-                    ctypes.memmove(dst.data_ptr(), src.data_ptr(), ext.nbytes)
+                    ctypes.memmove(self.pool.address(ext), src.data_ptr(), ext.nbytes)
             for ext, _, _ in part:
                 ext.landed = fence
         with self._lock:
@@ -221,10 +218,10 @@ class TieredBackend(Backend):
                 for ext, _, _ in part:
                     ext.back = fence
             else:
-                for (ext, dst, ready), src in zip(part, [self.pool.view(ext) for ext, _, _ in part]):
+                for ext, dst, ready in part:
                     if ready is not None:
                         ready()
-                    ctypes.memmove(dst.data_ptr(), src.data_ptr(), ext.nbytes)
+                    ctypes.memmove(dst.data_ptr(), self.pool.address(ext), ext.nbytes)
         with self._lock:
             self.read += sum(ext.nbytes for ext, _, _ in batch)
 

@@ -739,6 +739,7 @@ def test_copies_to_the_pool_call_the_runtime_directly_and_fall_back_to_torch(mon
     monkeypatch.setattr(host_copies, "_on", lambda dev: contextlib.nullcontext())
     monkeypatch.setattr(host_copies, "side_stream", lambda dev: _Stream())
     monkeypatch.setattr(host_copies, "Fence", lambda stream: fences.append(stream) or "landed")
+    monkeypatch.setattr(host_copies, "_FENCE", _Fence)
     rt = _Runtime(calls)
     monkeypatch.setattr(host_copies, "_runtime", rt)
     srcs = [torch.zeros(n, dtype=torch.uint8) for n in (100, 200, 300)]
@@ -747,6 +748,8 @@ def test_copies_to_the_pool_call_the_runtime_directly_and_fall_back_to_torch(mon
     assert calls == [("wait", 0x5000, 0xA1, 0), ("wait", 0x5000, 0xA2, 0)] + [
         ("copy", a, s.data_ptr(), s.nbytes, 4, 0x5000) for a, s in zip((0x10000, 0x20000, 0x30000), srcs)]
     assert len(fences) == 1 and isinstance(fences[0], _Stream)
+    calls.clear()  # a ready that is not a fence (a host wait): torch's way
+    assert host_copies.queue_to_host([0x10000], srcs[:1], [lambda: None]) is None and calls == []
 
     calls.clear()
     rt.fail = 700
