@@ -337,11 +337,11 @@ class Offloader(hooks.SaveHooks):
         ext = e.extent
         if not self._copy_may_go(ext):
             return False
-        if type(ext) is not HostExtent or ext.landed is None:
-            return True  # on a drive (its write is done), or copied with no device
-        # The producer's stream used the save (it is the allocation stream, or the user tied the
-        # tensor to it with record_stream): work it queues from now on runs after the copy.
-        self._ordered(ext.landed, e.fence.stream if e.fence is not None else device.current_stream(e.device))
+        landed = getattr(ext, "landed", None)  # None: on a drive (its write is done), or copied with no device
+        if landed is not None:
+            # The producer's stream used the save (it is the allocation stream, or the user tied the
+            # tensor to it with record_stream): work it queues from now on runs after the copy.
+            self._ordered(landed, e.fence.stream if e.fence is not None else device.current_stream(e.device))
         return True
 
     def _copy_may_go(self, ext: Any) -> bool:
