@@ -11,7 +11,7 @@ import torch
 from ssdtrain import device, host_copies
 from ssdtrain.cache import Cache, Entry, Ref, rebuild
 from ssdtrain.schedule import ReadWindow, Scope, WriteBudget
-from ssdtrain.store import Backend, StorageError
+from ssdtrain.store import Backend, StorageError, on_drive
 from ssdtrain.store._mem import profiled
 
 __all__ = ["Reader"]
@@ -44,7 +44,7 @@ class Reader:
             scope.layer_now = layer
         limit = self._window.limit(self._counters.total.resident_bytes, scope.ahead)
         if (self._many is not None and scope.ahead and limit - scope.ahead < limit * READ_BATCH_SHARE
-                and scope.cursor >= 0 and getattr(scope.order[scope.cursor].extent, "path_index", 0) < 0):
+                and scope.cursor >= 0 and not on_drive(scope.order[scope.cursor].extent)):
             return  # Note [tier reads are issued a batch at a time]: too little room for a batch yet
         strict = self._window.peak is not None  # Note [reads never raise the peak]
         picked = scope.advance(layer, max_bytes=limit, max_layers=self._max_layers, strict=strict)
@@ -127,7 +127,7 @@ class Reader:
             waited = self._clock() - start
             with self._lock:
                 self._window.stalled(self._clock(), waited)
-                if getattr(e.extent, "path_index", 0) >= 0:  # a drive's read (not the host tier's)
+                if on_drive(e.extent):  # a drive's read (not the host tier's)
                     self._budget.stalled(waited, e.scope.tally)
                 for field, amount in (("prefetch_misses", 1), ("read_stall_seconds", waited), ("stall_seconds", waited)):
                     self._counters.add(stats_id, field, amount)

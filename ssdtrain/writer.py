@@ -18,7 +18,7 @@ from functools import partial
 from typing import Any
 
 from ssdtrain.cache import Cache, Entry, State
-from ssdtrain.store import Backend
+from ssdtrain.store import Backend, on_drive
 from ssdtrain.store._mem import profiled
 
 __all__ = ["WriteQueue", "WriteFailures"]
@@ -195,7 +195,7 @@ class WriteQueue:
                     # Note [an interrupt never unbalances a count]: in this order, whatever step
                     # an interrupt stops at, _interrupted finds ``e`` and undoes it.
                     e = self._queue[0]
-                    drive = e.state is State.QUEUED and getattr(e.extent, "path_index", 0) >= 0
+                    drive = e.state is State.QUEUED and on_drive(e.extent)
                     if drive and self._drive_writing >= cap:
                         break
                     if drive and self._late(e):
@@ -286,7 +286,7 @@ class WriteQueue:
         except IndexError:  # empty (or emptied meanwhile by a completion's pump)
             return False
         queue = self._queue
-        if self._many is None or getattr(head.extent, "path_index", 0) >= 0:
+        if self._many is None or on_drive(head.extent):
             return True  # a drive's write first: at once, as ever
         return not self._batches and (len(queue) >= HAND_OVER_SAVES or self.queued_bytes >= HAND_OVER_BYTES
                                       or time.perf_counter() - head.packed_at >= HAND_OVER_SECONDS)
@@ -376,7 +376,7 @@ class WriteQueue:
         """Lock held: the bytes being written, derived from the flight records again."""
         self._writing_bytes = sum(e.nbytes for e, _ in self._flight.values())
         self._drive_writing = sum(e.nbytes for e, _ in self._flight.values()
-                                  if getattr(e.extent, "path_index", 0) >= 0)
+                                  if on_drive(e.extent))
 
     def heal(self) -> None:
         """Lock NOT held. Finishes writes that are done but were never settled (a callback that
@@ -391,7 +391,7 @@ class WriteQueue:
             self._recount_writing()
             self._batches = {fut for _, fut in self._flight.values() if fut is not None and fut in self._batches}
             if self._meter is not None:
-                self._meter.recount(sum(getattr(e.extent, "path_index", 0) >= 0 for e, _ in self._flight.values()),
+                self._meter.recount(sum(on_drive(e.extent) for e, _ in self._flight.values()),
                                     self._clock())
 
     # -- shutdown (lock NOT held) ------------------------------------------------------------

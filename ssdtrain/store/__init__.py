@@ -8,9 +8,9 @@ import logging
 import weakref
 
 from ssdtrain.config import OffloadConfig
-from ssdtrain.store.base import ALIGN, Backend, ChecksumError, Extent, StorageError
+from ssdtrain.store.base import ALIGN, Backend, ChecksumError, Extent, StorageError, on_drive
 
-__all__ = ["ALIGN", "Backend", "ChecksumError", "Extent", "StorageError", "make_backend", "choose_backend",
+__all__ = ["ALIGN", "Backend", "ChecksumError", "Extent", "StorageError", "on_drive", "make_backend", "choose_backend",
            "backend_choice"]
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from concurrent.futures import Future
 
 import torch
 
-__all__ = ["Backend", "Extent", "StorageError", "ChecksumError", "ALIGN"]
+__all__ = ["Backend", "Extent", "StorageError", "ChecksumError", "ALIGN", "on_drive"]
 
 ALIGN = 4096
 """Every extent starts on, and is padded to, this many bytes: what O_DIRECT and GDS need."""
@@ -43,6 +43,12 @@ class Extent:
     offset: int
     nbytes: int
     length: int
+
+
+def on_drive(extent: object) -> bool:
+    """Whether ``extent`` holds drive space: a host tier's extent has ``path_index`` -1 (its
+    copies are not a drive's writes); an extent with no ``path_index`` counts as a drive's."""
+    return getattr(extent, "path_index", 0) >= 0
 
 
 # Note [an offloader does not cross a fork]
