@@ -46,7 +46,7 @@ class Entry:
         "data", "guard", "guard_weak", "extent", "checksum", "write_future", "read_future", "read_buf",
         "loaded", "loaded_weak", "gen", "unpacked_refs", "consumed_pass", "refs", "error",
         "tainted", "fence", "forwarded", "offloaded", "counted_ahead", "ref_weaks",
-        "scope_dropped", "packed_at", "__weakref__",
+        "scope_dropped", "packed_at", "op", "stream", "pos", "__weakref__",
     )
 
     def __init__(self, id_: int, t: torch.Tensor, lo: int, hi: int, scope: Any, layer: int | None) -> None:
@@ -89,6 +89,9 @@ class Entry:
         self.ref_weaks: list[weakref.ref] = []
         self.scope_dropped = False  # its scope was told it died (once)
         self.packed_at = 0.0  # when it was queued for writing (perf_counter; WriteQueue.hold)
+        self.op = None  # the op that saved it (Note [a save is copied only after its op returned])
+        self.stream = None  # the stream current at its pack (a CUDA save's), fenced once its op returned
+        self.pos = -1  # its place in its scope's pack order (Scope.add)
 
     def covers(self, lo: int, hi: int) -> bool:
         return self.lo <= lo and hi <= self.lo + self.nbytes
@@ -360,6 +363,13 @@ class Cache:
 
     def read_failed(self, e: Entry, future: Any) -> None:
         if e.read_future is future:
+            e.read_future = e.read_buf = None
+            self.counters.resident(-e.nbytes)
+
+    def unread(self, e: Entry) -> None:
+        """A read ahead, finished and not used, is given back (Note [backward that jumps down the
+        pack order]): ``e`` is on storage only, as before it was read."""
+        if e.read_future is not None and e.read_future.done():
             e.read_future = e.read_buf = None
             self.counters.resident(-e.nbytes)
 

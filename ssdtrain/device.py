@@ -6,8 +6,10 @@ unless a CUDA tensor is actually being offloaded.
 
 What the engine calls (``ssdtrain/offloader.py``):
 
-* pack: :func:`producer_fence` for a tensor that will be written (Note [write waits for the
-  producer]); refuse under :func:`capturing` (Note [no offloading inside CUDA graph capture]);
+* pack: :func:`producer_stream` for a tensor that will be written, and :func:`fence_on` that
+  stream once the op that saved it returned (Note [write waits for the producer], Note [a save is
+  copied only after its op returned] in ``writer.py``); refuse under :func:`capturing` (Note [no
+  offloading inside CUDA graph capture]);
 * unpack: :func:`consumer_fence` for a fresh reload buffer (Note [reload waits for the
   allocation point]), and :func:`for_consumer` on every tensor handed back to autograd (Note
   [reload buffers belong to their consumer stream]).
@@ -34,7 +36,7 @@ import torch
 __all__ = [
     "is_cuda", "Fence", "producer_fence", "consumer_fence", "order", "copy_on_side_stream", "side_stream",
     "synchronize", "queue_copy", "staging", "pinned_empty", "on_device", "capturing", "for_consumer", "stream_source",
-    "stream_of", "current_stream",
+    "stream_of", "current_stream", "producer_stream", "fence_on",
 ]
 
 log = logging.getLogger(__name__)
@@ -99,15 +101,35 @@ class Fence:
 
 # Note [write waits for the producer]
 # On a GPU, pack runs on the host as soon as the kernel that produced the tensor is *queued*,
-# not finished. The writer must not read the tensor's memory before that kernel ran, so pack
-# records an event on the current stream (every stream that produced the tensor is ordered
-# before it: the op that saves the tensor is about to read it there) and the I/O thread orders
+# not finished. The writer must not read the tensor's memory before that kernel ran, so an event
+# is recorded on the stream current at pack (every stream that produced the tensor is ordered
+# before it: the op that saves the tensor is about to read it there), once the op that saved it
+# has returned (an op may still write what it saved: Note [a save is copied only after its op
+# returned]), and the I/O thread orders
 # its copy or DMA after that event -- on the device when the copy runs on its own stream
 # (:func:`order`), else by waiting. On the CPU, ops are synchronous: the bytes are final when
 # pack runs.
 def producer_fence(t: torch.Tensor) -> Fence | None:
     """A fence after the kernels that produced ``t`` (``None`` for host tensors)."""
     return _fence_here(t)
+
+
+def producer_stream(t: torch.Tensor) -> torch.cuda.Stream | None:
+    """The stream of ``t``'s device current now (``None`` for host tensors): where pack finds the
+    op that saves ``t``, whose producer fence is recorded once that op returned (:func:`fence_on`;
+    Note [a save is copied only after its op returned])."""
+    if not t.is_cuda:
+        return None
+    return current_stream(t.device)
+
+
+def fence_on(stream: torch.cuda.Stream) -> Fence:
+    """A fence at this point of ``stream`` (Note [a producer fence reuses its event])."""
+    dev = stream.device
+    idle = _idle_events.get(dev.index)
+    if idle is None:
+        idle = _idle_events.setdefault(dev.index, [])
+    return _PooledFence(stream, dev, idle)
 
 
 def _fence_here(t: torch.Tensor) -> Fence | None:

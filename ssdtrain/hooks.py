@@ -27,6 +27,12 @@ __all__ = ["SaveHooks"]
 
 _now = time.perf_counter  # a seam for tests (the Offloader reads the time through it too)
 
+# Note [a save is copied only after its op returned] (``writer.py``): the thread's autograd
+# sequence number names the op that saves. A torch without it (none since 2.4 is known to lack
+# it) gets one token for every save: a save is then written only between ops (``wait()``, the end
+# of forward), never while an op may still fill it.
+_op_now = getattr(torch.autograd, "_get_sequence_nr", None) or (lambda: 0)
+
 
 class SaveHooks:
     """Pack, unpack and safe points of an :class:`~ssdtrain.offloader.Offloader` (its base)."""
@@ -59,6 +65,7 @@ class SaveHooks:
 
     def _pack_entry(self, t: torch.Tensor, storage: Any, nbytes: int, storage_bytes: int) -> Any:
         """Pack of a save that is not small: shared, kept at once, or a new entry."""
+        op = _op_now()  # Note [a save is copied only after its op returned]
         scope = self._step_scope()
         view_lo, view_hi = byte_span(t)
         lo, hi = entry_span(view_lo, view_hi, storage_bytes)
@@ -75,13 +82,13 @@ class SaveHooks:
                             and storage._cdata not in self._cache.small.rows):
                         self._tier.clock.produced(hi - lo)  # Note [the copy clock counts every save]
                     small = self._cache.small.add(t, storage, scope.stats_id, why)
-                    self._writer.passed(scope, hi - lo)
+                    self._writer.passed(scope, hi - lo, op)
             if small is None:
                 self._counters.add(scope.stats_id, "saved_bytes", nbytes)
                 fresh = entry is None
                 try:
                     if fresh:
-                        entry = self._new_entry(t, lo, hi, scope, layer)
+                        entry = self._new_entry(t, lo, hi, scope, layer, op)
                     ref = Ref(entry, t, self._graveyard)
                 except BaseException:
                     if fresh and entry is not None and entry.refs == 0:  # interrupted: nothing holds it
@@ -100,7 +107,7 @@ class SaveHooks:
         others = {n: p for n, p in parts.items() if n not in packed}
         return Parts(t, ctx, packed, others, keep.version_guard(t, packed))
 
-    def _new_entry(self, t: torch.Tensor, lo: int, hi: int, scope: Scope, layer: int | None) -> Entry:
+    def _new_entry(self, t: torch.Tensor, lo: int, hi: int, scope: Scope, layer: int | None, op: Any) -> Entry:
         """Under the lock: a new entry, kept or queued for writing (Note [write only what comes
         back in time] for the budget, Note [write what leaves before the peak] for the time)."""
         e = self._cache.new(next(self._ids), t, lo, hi, scope, layer)
@@ -118,7 +125,7 @@ class SaveHooks:
         choice = self._policy.decide(n, layer, self._writer.has_room(n), budget=self._tier.clock if tier else None,
                                      late=late)
         if choice == "wait":
-            waited = self._writer.wait_for_room(n, self._scopes.by_id.values())
+            waited = self._writer.wait_for_room(n, self._scopes.by_id.values(), op)
             for field, amount in (("backpressure_waits", 1), ("backpressure_stall_seconds", waited),
                                   ("stall_seconds", waited)):
                 self._counters.add(scope.stats_id, field, amount)
@@ -130,7 +137,7 @@ class SaveHooks:
                 self._counters.add(scope.stats_id, "budget_kept_bytes", n)
             elif choice == "late":
                 self._counters.add(scope.stats_id, "peak_kept_bytes", n)
-            self._writer.passed(scope, n)  # pumped by pack's caller if so: the entry is not queued
+            self._writer.passed(scope, n, op)  # pumped by pack's caller if so: the entry is not queued
             return e
         extent = self._tier.allocate_host(n, e.device) if tier else None
         if extent is None and tier:  # the pool had no room: no copy of it is handed over
@@ -147,7 +154,8 @@ class SaveHooks:
             self._failures.failed(err)
             return e
         self._cache.queue(e, extent)
-        e.fence = device.producer_fence(t)
+        e.op = op
+        e.stream = device.producer_stream(t)  # fenced once its op returned (WriteQueue._queue_now)
         scope.add(e)
         self._writer.hold(scope, e)
         return e
@@ -307,6 +315,7 @@ class SaveHooks:
         first, so cancel them and keep those tensors; then start reading the tail."""
         scope.backward_started = True
         scope.held = None  # cancelled below with the rest of the queue
+        scope.fresh = []  # the same
         if self._fwd_timer is not None:
             self._fwd_timer.stop(self._fwd_dev)
         now = _now()

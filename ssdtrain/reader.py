@@ -90,6 +90,8 @@ class Reader:
             self._counters.add(e.scope.stats_id, "prefetch_hits", 1)
             return None, buf
         if e.read_future is None:
+            for d in e.scope.missed(e):  # Note [backward that jumps down the pack order]
+                self._cache.unread(d)
             self.issue(e)
         return e.read_future, e.read_buf
 

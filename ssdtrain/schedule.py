@@ -55,12 +55,17 @@ class Scope:
         self.top_layer: int | None = None
         self.armed = False       # backward announced, nothing unpacked yet
         self.held: Entry | None = None  # the last save, its write not queued yet (engine's Note)
+        self.resume: list[int] = []  # cursors to go back to (Note [backward that jumps down the pack order])
+        self.missed_at: int | None = None  # where backward last needed a save the read-ahead had not reached
+        self.op: object = None  # the op that saved last (Note [a save is copied only after its op returned])
+        self.fresh: list[Entry] = []  # queued by that op's saves: written once it returned
         self.tally: Tally | None = None  # its forward's, in the write budget
         self.unique_at_start = 0  # the offloader's unique bytes when its forward began
         self.resident_at_start = 0  # ... and its resident bytes
         self.layer_now: int | None = None  # the block backward was last seen in
 
     def add(self, entry: Entry) -> None:
+        entry.pos = len(self.order)
         self.order.append(entry)
         if entry.layer is not None and (self.top_layer is None or entry.layer > self.top_layer):
             self.top_layer = entry.layer
@@ -74,6 +79,8 @@ class Scope:
         self.cursor = len(self.order) - 1
         self.ahead = 0
         self.armed = True
+        self.resume.clear()
+        self.missed_at = None
         for e in self.order:
             e.counted_ahead = False
 
@@ -93,7 +100,12 @@ class Scope:
             # Above the blocks (head, loss): the window counts from the top block.
             layer = self.top_layer
         picked: list[Entry] = []
-        while self.cursor >= 0 and self.ahead < max_bytes:
+        while self.ahead < max_bytes:
+            if self.cursor < 0:
+                if not self.resume:
+                    break
+                self.cursor = self.resume.pop()  # Note [backward that jumps down the pack order]
+                continue
             e = self.order[self.cursor]
             if max_layers is not None and layer is not None and e.layer is not None and e.layer < layer - max_layers:
                 break
@@ -115,12 +127,47 @@ class Scope:
                 self.ahead += e.nbytes
         return picked
 
+    # Note [backward that jumps down the pack order]
+    # Autograd's unpack order is unspecified (torch PR 198016); mostly it is the reverse of the pack
+    # order, and the read-ahead walks down from the top. It is not: when backward runs in calls of
+    # its own (a branch packed first, differentiated first), when ``torch.autograd.grad`` asks for
+    # a subset (the other branch's saves are never unpacked), within a node (its saves come back
+    # in the order saved). A single save needed before the read-ahead reached it (an input saved
+    # early, a storage saved again later) is read on demand, and the cursor stays: jumping to it
+    # would skip everything between. Two in a row, the second below the first, mean backward goes
+    # on down from there: the read-ahead jumps after it. What it read ahead above the jump and
+    # backward has not used is given back (read again if needed), so that the window is free for
+    # where backward is; its old position is kept, and the read-ahead goes back there once it has
+    # walked to the bottom. Nothing is released for being passed: an entry leaves memory only
+    # when its last saved reference dies, whatever the order.
+    def missed(self, e: Entry) -> list[Entry]:
+        """Backward needs ``e``, which the read-ahead has not read: returns the entries read ahead
+        and not used to give back, if backward jumped down the pack order (the cursor then moves
+        below ``e``), else nothing."""
+        if e.pos > self.cursor:  # passed by the read-ahead (window, layers): not a jump
+            self.missed_at = None
+            return []
+        first, self.missed_at = self.missed_at, e.pos
+        if first is None or e.pos >= first:
+            return []
+        unused = [d for d in self.order[self.cursor + 1:] if d.counted_ahead and d.read_future is not None
+                  and d.read_future.done() and d.refs > 0]
+        top = max([self.cursor] + [d.pos for d in unused])
+        for d in unused:
+            self.used(d)
+        self.resume.append(top)
+        self.cursor = e.pos - 1
+        self.missed_at = None
+        return unused
+
     def drop(self, e: Entry) -> bool:
         """``e`` died; returns whether the scope holds no live entry any more."""
         self.used(e)
         self.live_entries -= 1
         if self.held is e:
             self.held = None
+        if e in self.fresh:
+            self.fresh.remove(e)
         return self.live_entries == 0
 
     def used(self, e: Entry) -> None:

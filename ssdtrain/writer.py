@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from functools import partial
 from typing import Any
 
+from ssdtrain import device
 from ssdtrain.cache import Cache, Entry, State
 from ssdtrain.store import Backend, on_drive
 from ssdtrain.store._mem import profiled
@@ -103,51 +104,102 @@ class WriteQueue:
         all when another forward starts first (pipelines), on ``wait()``, and when pack waits
         for room. A save under a quarter of the held one's size does not release it: it is
         queued itself (the loss's targets after the logits), so the large save that backward
-        needs first is not written in vain as forward ends.
+        needs first is not written in vain as forward ends. Whatever is queued goes only once
+        the op that saved it has returned (Note [a save is copied only after its op returned]).
         """
         self.inflight_bytes += e.nbytes
         if self._many is not None:  # its age makes a batch go (pack_pumps)
             e.packed_at = time.perf_counter()
+        self._op_began(scope, e.op)
         held = scope.held
         if held is not None and 4 * e.nbytes < held.nbytes:
-            self._enqueue(e)
+            self._enqueue(scope, e)
             return
         if held is not None:
-            self._enqueue(held)
+            self._enqueue(scope, held)
         scope.held = e
 
-    def passed(self, scope: Any, nbytes: int) -> bool:
-        """A save of ``nbytes`` came after ``scope``'s held one and is kept: the held one is not
-        the last save any more (unless this one is under a quarter of its size, as in
+    def passed(self, scope: Any, nbytes: int, op: Any) -> bool:
+        """A save of ``nbytes`` by op ``op`` came after ``scope``'s held one and is kept: the held
+        one is not the last save any more (unless this one is under a quarter of its size, as in
         :meth:`hold`), so it joins the queue. Returns whether it did."""
+        self._op_began(scope, op)
         held = scope.held
         if held is None or 4 * nbytes < held.nbytes:
             return False
-        self._enqueue(held)
+        self._enqueue(scope, held)
         scope.held = None
         return True
 
-    def release_held(self, scopes: Iterable[Any]) -> None:
-        """The held last saves of ``scopes`` join the queue."""
+    def release_held(self, scopes: Iterable[Any], op: Any = None) -> None:
+        """The held last saves of ``scopes`` join the queue: called between ops (``op`` None: every
+        save's op has returned), or by a save of op ``op``, whose own saves stay until it returned."""
         for scope in scopes:
+            if op is None:
+                scope.op = None  # no op runs: what waits for its op's return may go
+                self._op_returned(scope)
+            else:
+                self._op_began(scope, op)
             if scope.held is not None:
-                self._enqueue(scope.held)
+                self._enqueue(scope, scope.held)
                 scope.held = None
 
-    def _enqueue(self, e: Entry) -> None:
+    # Note [a save is copied only after its op returned]
+    # Autograd hands a save to pack when the op saves it, which for an op's inputs is before the
+    # op's kernel runs; and an op may write a tensor it saved without bumping its version, so that
+    # no version check sees it: ``rrelu_with_noise`` saves ``noise`` and then fills it (torch 2.13:
+    # a hook that copied at pack read uninitialised memory, 1048576 of 1048576 gradient elements
+    # wrong; ours, whose write started at the op's next save, up to all of them). So no save's
+    # bytes are copied before the op that saved it returned. The engine sees that return as a
+    # save of another op: every op that saves creates its autograd node first, and each node
+    # takes the thread's next sequence number (``torch.autograd._get_sequence_nr``), so saves of
+    # one op see one number and a save that sees another comes from a later op, begun after the
+    # earlier one returned. A save queued while its op may still run waits in ``scope.fresh``;
+    # the next op's save, ``wait()``, the end of forward or a new forward queue it. On a GPU the
+    # producer fence is recorded then (``_queue_now``), on the stream that was current at pack:
+    # after every kernel the op queued, not just those before the save.
+    def _op_began(self, scope: Any, op: Any) -> None:
+        if op != scope.op:
+            scope.op = op
+            if scope.fresh:
+                self._op_returned(scope)
+
+    def _op_returned(self, scope: Any) -> None:
+        fresh, scope.fresh = scope.fresh, []
+        fence = None
+        for e in fresh:
+            fence = self._queue_now(e, fence)
+
+    def _enqueue(self, scope: Any, e: Entry) -> None:
+        if e.op == scope.op and e.op is not None:
+            scope.fresh.append(e)  # its op may still be running
+        else:
+            self._queue_now(e, None)
+
+    def _queue_now(self, e: Entry, fence: Any) -> Any:
+        """``e`` joins the write queue, with its producer fence (shared with ``fence``, the last
+        one made, where its stream is the same); returns the fence."""
+        if e.stream is not None and e.state is State.QUEUED:
+            if fence is None or fence.stream is not e.stream:
+                fence = device.fence_on(e.stream)
+            e.fence = fence
         self._queue.append(e)
+        return fence
 
     def has_room(self, nbytes: int) -> bool:
         return not self.inflight_bytes or self.inflight_bytes + nbytes <= self._max_inflight
 
-    def wait_for_room(self, nbytes: int, scopes: Iterable[Any]) -> float:
-        """Note [bounded memory in flight]: blocks (lock released) until ``nbytes`` more fit;
-        returns the seconds it waited."""
+    def wait_for_room(self, nbytes: int, scopes: Iterable[Any], op: Any) -> float:
+        """Note [bounded memory in flight]: blocks (lock released) until ``nbytes`` more fit (a
+        save of op ``op``; that op's own saves cannot go yet and are not waited for); returns the
+        seconds it waited."""
         start = time.perf_counter()
         with profiled("ssdtrain.stall.backpressure"):
-            self.release_held(scopes)  # they count as in flight: let them go
+            self.release_held(scopes, op)  # they count as in flight: let them go
             while not self.has_room(nbytes):
                 if not self.writing:  # nothing in flight to wait for: start queued writes
+                    if not self._queue:  # what counts is held by the op still running: it stays
+                        break
                     self._lock.release()
                     try:
                         self.pump()

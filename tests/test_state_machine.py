@@ -20,6 +20,17 @@ from _manual_store import ManualStore
 INPLACE = "modified by an inplace operation"
 
 
+@pytest.fixture(autouse=True)
+def _each_pack_is_an_op(monkeypatch):
+    """The machine calls the pack hook by hand, outside any op: every call stands for a save of an
+    op of its own (Note [a save is copied only after its op returned]), as in a model with one
+    save per op. Without this, all of them would be one op's saves, written only at ``wait()``."""
+    import itertools
+
+    from ssdtrain import hooks
+    monkeypatch.setattr(hooks, "_op_now", itertools.count().__next__)
+
+
 class EngineMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()

@@ -172,3 +172,29 @@ def test_offloading_under_cuda_graph_capture_is_refused(tmp_path):
         assert torch.equal(y, model(x).exp())
     finally:
         off.close()
+
+
+@pytest.mark.parametrize("n", [1 << 20, 1 << 24])
+@pytest.mark.parametrize("where", ["drive", "tier", "drive-wait"])
+def test_a_save_its_op_fills_later_is_copied_after_the_fill(where, n, tmp_path, sleep):
+    # Note [a save is copied only after its op returned]: rrelu saves ``noise`` before its kernel
+    # fills it (no version bump). A producer fence recorded at pack comes before that kernel; the
+    # stream is held so that the copy, fenced too early, would read the empty buffer.
+    kw = {"host_bytes": "1GiB"} if where == "tier" else {"host_bytes": 0}
+    if where == "drive-wait":
+        kw.update(late_writes=True, when_full="wait")
+    off = ssdtrain.Offloader(path=str(tmp_path), min_bytes=0, **kw)
+    wrong = []
+    for _ in range(20 if n == 1 << 20 else 3):
+        x = (torch.rand(n, dtype=torch.float64, device=CUDA) + 0.1).requires_grad_()
+        with off:
+            h = x * 1.0
+            sleep(50)
+            y = torch.nn.functional.rrelu(h, 0.0, 1.0, training=True)
+            z = y * 1.0  # the next op's save: rrelu has returned
+            if where == "drive-wait":
+                off.wait()
+        (g,) = torch.autograd.grad(z.sum(), x)
+        wrong.append(int((g != 1).sum()))
+    off.close()
+    assert wrong == [0] * len(wrong)
