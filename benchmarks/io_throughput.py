@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 
 import ssdtrain
-from ssdtrain import probe
+from ssdtrain.tools import probe
 from ssdtrain.config import OffloadConfig, parse_bytes
 from ssdtrain.store import _fs, make_backend
 

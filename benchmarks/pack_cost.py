@@ -43,7 +43,7 @@ import types
 import torch
 
 import ssdtrain
-from ssdtrain import offloader as offloader_mod
+from ssdtrain.engine import offloader as offloader_mod
 from ssdtrain.bench.models import GPT, GPTConfig
 
 

@@ -1,6 +1,6 @@
 """How far offloading lowers the step's peak on a slow drive, against what the drive could take.
 
-Note [write what leaves before the peak] (``ssdtrain/peak.py``). The bench model at the shape of
+Note [write what leaves before the peak] (``ssdtrain/engine/peak.py``). The bench model at the shape of
 the issue on the peak (8 blocks, hidden 512, 8 heads, seq 512, batch 8: 1.1 GiB saved per step),
 ``ssdtrain bench`` side by side in one process for each drive: baseline and offload, then
 recompute and recompute+offload (checkpointed blocks), the drive capped at R MB/s each way by a

@@ -67,7 +67,7 @@ def run_round(model, tokens, ops, off, tag, times=None) -> float:
 
 def predicted(args, cfg, forward_s: float, backward_s: float, handoff: int) -> dict:
     """``ssdtrain plan``'s drive model for one micro-batch of this stage, at the measured times."""
-    from ssdtrain import plan_drive
+    from ssdtrain.planner import plan_drive
 
     flops = plan_drive.forward_flops(layers=cfg.layers, seq=cfg.seq, hidden=cfg.hidden, vocab=cfg.vocab,
                                      micro_batch=args.batch)

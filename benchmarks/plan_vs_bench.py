@@ -3,7 +3,7 @@
 Runs ``ssdtrain bench`` (the bench model; baseline, recompute, offload, recompute+offload) with
 the drive unthrottled, then throttled to 1/2, 1/10 and 1/40 of the rate at which the bench
 model's forward makes activations (measured in the first run). For each run and offload mode it
-gives the planner's drive-limited model (:mod:`ssdtrain.plan_drive`) the bench model's
+gives the planner's drive-limited model (:mod:`ssdtrain.planner.plan_drive`) the bench model's
 dimensions, the drive's rates as the bench reports them, the offloader's settings and a compute
 rate, and compares the peak's fall it predicts (the bytes written and out of memory before
 forward ends: Note [write what leaves before the peak]) with the fall the bench measured
@@ -33,8 +33,8 @@ import subprocess
 import sys
 import tempfile
 
-from ssdtrain import plan_drive
-from ssdtrain.plan import Inputs
+from ssdtrain.planner import plan_drive
+from ssdtrain.planner.plan import Inputs
 
 MODES = ("offload", "recompute+offload")
 REFERENCE = {"offload": "baseline", "recompute+offload": "recompute"}

@@ -26,10 +26,10 @@ __version__ = "0.1.0"
 
 _WHERE = {
     "OffloadConfig": "ssdtrain.config",
-    "Offloader": "ssdtrain.offloader",
+    "Offloader": "ssdtrain.engine.offloader",
     "offload": "ssdtrain.switch",
-    "no_offload": "ssdtrain.keep",
-    "OffloadStats": "ssdtrain.stats",
+    "no_offload": "ssdtrain.engine.keep",
+    "OffloadStats": "ssdtrain.engine.stats",
     "SAVE_IN_MEMORY": "ssdtrain.sac",
     "sac_context": "ssdtrain.sac",
     "StorageError": "ssdtrain.store.base",
@@ -38,11 +38,11 @@ _WHERE = {
 
 if TYPE_CHECKING:
     from ssdtrain.config import OffloadConfig
-    from ssdtrain.keep import no_offload
-    from ssdtrain.offloader import Offloader
+    from ssdtrain.engine.keep import no_offload
+    from ssdtrain.engine.offloader import Offloader
     from ssdtrain.sac import SAVE_IN_MEMORY, sac_context
     from ssdtrain.switch import offload
-    from ssdtrain.stats import OffloadStats
+    from ssdtrain.engine.stats import OffloadStats
     from ssdtrain.store.base import ChecksumError, StorageError
 
 

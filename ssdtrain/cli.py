@@ -11,9 +11,9 @@ import sys
 
 _COMMANDS = {
     "bench": ("ssdtrain.bench", "train a GPT-style decoder with and without offloading, side by side"),
-    "plan": ("ssdtrain.plan", "size micro-batches, pipeline stages and drive bandwidth for a real run"),
-    "probe": ("ssdtrain.probe", "measure the raw O_DIRECT bandwidth of storage paths"),
-    "selftest": ("ssdtrain.selftest", "check that offloading works here: exact gradients, GDS, compute overlap"),
+    "plan": ("ssdtrain.planner.plan", "size micro-batches, pipeline stages and drive bandwidth for a real run"),
+    "probe": ("ssdtrain.tools.probe", "measure the raw O_DIRECT bandwidth of storage paths"),
+    "selftest": ("ssdtrain.tools.selftest", "check that offloading works here: exact gradients, GDS, compute overlap"),
 }
 
 

@@ -3,15 +3,24 @@
 torch's selective activation checkpointing (SAC, ``create_selective_checkpoint_contexts``) keeps
 the outputs its policy saves in a dict that two TorchDispatchModes share (one fills it in forward,
 one reads it in the recomputation), not through autograd's saved-tensor hooks: an offloader never
-sees them. torch 2.13 has no switch for that (PyTorch issues 190581 and 191236 propose
-``respect_saved_tensors_hooks``). :func:`sac_context` builds torch's own pair of modes around a
-dict of ours: each tensor SAC stores in it is packed by the offloader, as any save (found once,
-kept or written, counted, read back ahead of need), and unpacked when the recomputation asks.
+sees them. torch 2.13 has no switch for that; torch 2.14 has one, ``checkpoint(...,
+respect_saved_tensors_hooks=True)`` (PyTorch PR 190581; unset, it warns when saved-tensor hooks
+are active, and a later release makes unset an error). :func:`sac_context` builds torch's own pair
+of modes around a dict of ours. On a torch with the switch, its caching mode defaults the switch to
+on (Note [sac_context turns torch's switch on]): each tensor SAC keeps goes through the
+offloader's pack hook by torch's own path. On an older torch each tensor SAC stores in the dict is
+packed by the offloader (Note [SAC saves go through the offloader]). Either way it is a save as
+any (found once, kept or written, counted, read back ahead of need), unpacked when the
+recomputation asks. :func:`warn_unswitched` tells a user whose own SAC runs inside ``with off:``
+without the switch.
 """
 
 from __future__ import annotations
 
 import enum
+import inspect
+import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -19,9 +28,14 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch.utils._pytree import tree_map
 
-from ssdtrain import keep
+from ssdtrain.engine import keep
 
-__all__ = ["SAVE_IN_MEMORY", "sac_context"]
+__all__ = ["SAVE_IN_MEMORY", "sac_context", "has_switch", "warn_unswitched"]
+
+
+def has_switch() -> bool:
+    """Whether this torch's ``checkpoint`` takes ``respect_saved_tensors_hooks`` (torch >= 2.14)."""
+    return "respect_saved_tensors_hooks" in inspect.signature(torch_checkpoint.checkpoint).parameters
 
 
 class _InMemory(enum.Enum):
@@ -70,7 +84,7 @@ def sac_context(policy: Callable[..., Any] | list, offloader: Any, *,
     Raises:
         TypeError: ``policy`` is neither callable nor a list of ops, or ``offloader`` is not one.
     """
-    from ssdtrain.offloader import Offloader
+    from ssdtrain.engine.offloader import Offloader
     from ssdtrain.switch import Disabled
 
     if not isinstance(offloader, (Offloader, Disabled)):
@@ -84,10 +98,15 @@ def sac_context(policy: Callable[..., Any] | list, offloader: Any, *,
         raise TypeError(f"policy must be a function (ctx, op, *args, **kwargs) -> CheckpointPolicy or a list of "
                         f"ops such as torch.ops.aten.mm.default, not {type(policy).__name__}")
 
+    switch = has_switch()
+
     def context_fn() -> tuple[Any, Any]:
         packer = _Packer(offloader, not allow_cache_entry_mutation and isinstance(offloader, Offloader))
         caching, cached = torch_checkpoint.create_selective_checkpoint_contexts(
             packer.wrap(policy), allow_cache_entry_mutation)
+        if switch:
+            caching.__class__ = _switched(type(caching))
+            caching.ssdtrain_default = packer.routed = packer.offload
         if not (isinstance(getattr(caching, "storage", None), dict) and getattr(cached, "storage", None) is
                 caching.storage and hasattr(torch_checkpoint, "_VersionWrapper")):
             raise RuntimeError(f"ssdtrain.sac_context does not know where torch {torch.__version__}'s selective "
@@ -120,6 +139,34 @@ def _where(choice: Any) -> str | None:
         return None
     raise TypeError(f"an SAC policy returned {choice!r}: return a torch.utils.checkpoint.CheckpointPolicy, "
                     "a bool, or ssdtrain.SAVE_IN_MEMORY")
+
+
+# Note [sac_context turns torch's switch on]
+# torch >= 2.14 routes what SAC keeps through the saved-tensor hooks around it when ``checkpoint``
+# is given ``respect_saved_tensors_hooks=True``; unset (``None``) it keeps the old way and warns
+# (FutureWarning; an error in a later release). ``checkpoint`` sets the flag on the caching mode
+# that ``context_fn`` made, after making it. So the caching mode of ``sac_context`` is of a
+# subclass whose flag reads an unset value as ssdtrain's default: on (the offloader's pack then
+# sees each kept tensor, torch's own path), or off where the saves must stay in memory
+# (``allow_cache_entry_mutation``, a disabled offloader). A value the user passes is kept. With
+# the switch on, the policy wrapper keeps ``SAVE_IN_MEMORY`` outputs in memory by holding the
+# offloader's keep depth from the policy's answer to the store that follows it.
+def _switched(cls: type) -> type:
+    sub = _SWITCHED.get(cls)
+    if sub is None:
+        def get(self: Any) -> Any:
+            value = self.__dict__.get("_ssdtrain_switch")
+            return self.ssdtrain_default if value is None else value
+
+        def put(self: Any, value: Any) -> None:
+            self.__dict__["_ssdtrain_switch"] = value
+
+        sub = _SWITCHED[cls] = type(f"Ssdtrain{cls.__name__}", (cls,),
+                                    {"respect_saved_tensors_hooks": property(get, put), "ssdtrain_default": True})
+    return sub
+
+
+_SWITCHED: dict[type, type] = {}
 
 
 # Note [SAC saves go through the offloader]: torch's caching mode calls the policy for each op
@@ -155,6 +202,8 @@ class _Packer:
         self.offloader = offloader
         self.offload = offload
         self.next: str | None = None  # where the op being stored goes (set by the policy)
+        self.routed = False  # torch sends SAC's saves through the hooks (Note [sac_context turns torch's switch on])
+        self.kept = False  # the offloader's keep depth is held for this op's store
 
     def wrap(self, policy: Callable[..., Any]) -> Callable[..., Any]:
         def noted(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
@@ -162,12 +211,20 @@ class _Packer:
             self.next = where = _where(choice)
             if where is None or (where == _SAVE and torch.compiler.is_compiling()):
                 return choice  # compiled: torch's own handling of each policy
+            if where == _KEEP and self.routed and not self.kept and not torch.compiler.is_compiling():
+                self.offloader._keep_depth[0] += 1  # until the store (Note [sac_context turns torch's switch on])
+                self.kept = True
             return torch_checkpoint.CheckpointPolicy.MUST_SAVE
         return noted
 
     def pack(self, value: Any) -> Any:
         where, self.next = self.next, None
         off = self.offloader
+        if self.kept:
+            self.kept = False
+            off._keep_depth[0] -= 1
+        if self.routed and not torch.compiler.is_compiling():
+            return value  # packed by torch, through the hooks
         if where != _SAVE or not self.offload or torch.compiler.is_compiling() or not off._scopes.opened_by(off):
             return value
         if keep.in_no_offload():
@@ -191,7 +248,7 @@ class _OpStorage(dict):
         self._packer = packer
 
     def __setitem__(self, index: int, value: Any) -> None:
-        if self._packer.next is not None:
+        if self._packer.next is not None or self._packer.kept:
             value = self._packer.pack(value)
         super().__setitem__(index, value)
 
@@ -209,3 +266,35 @@ class _Offloaded:
         # A save modified in place since is refused by the offloader's unpack (Note [in-place
         # after save]), as SAC refuses it without ``allow_cache_entry_mutation``.
         return self._off._unpack(self._packed)
+
+
+# Note [SAC without the switch is told]
+# A user's own SAC (``context_fn=create_selective_checkpoint_contexts(policy)``) inside ``with
+# off:`` keeps its saves out of the offloader's reach unless ``checkpoint`` gets
+# ``respect_saved_tensors_hooks=True`` (torch >= 2.14). torch's caching mode looks up the hooks
+# around it for each op it keeps, and asks each pack hook whether it is checkpoint's own
+# (``_checkpoint_internal``); the offloader's pack hook answers that question through
+# :func:`warn_unswitched`, which looks a few frames up for a caching mode whose flag is unset,
+# and then warns once per offloader with the fix. Nothing is changed: it only looks.
+def warn_unswitched(offloader: Any) -> None:
+    """Warns (once per ``offloader``) if torch's SAC caching mode is asking for the hooks with its
+    ``respect_saved_tensors_hooks`` unset: its saves bypass ssdtrain."""
+    if offloader._sac_told:
+        return
+    caching = getattr(torch_checkpoint, "_CachingTorchDispatchMode", None)
+    frame = sys._getframe(2)
+    for _ in range(3):
+        if frame is None or caching is None:
+            return
+        mode = frame.f_locals.get("self")
+        if isinstance(mode, caching):
+            if getattr(mode, "respect_saved_tensors_hooks", False) is None:
+                offloader._sac_told = True
+                warnings.warn(
+                    "ssdtrain: selective activation checkpointing runs inside `with off:` without "
+                    "respect_saved_tensors_hooks, so what it saves stays in memory, out of ssdtrain's reach. "
+                    "Pass respect_saved_tensors_hooks=True to torch.utils.checkpoint.checkpoint, or use "
+                    "context_fn=ssdtrain.sac_context(policy, off), which does it for you.",
+                    UserWarning, stacklevel=5)
+            return
+        frame = frame.f_back

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ssdtrain.config import OffloadConfig
-from ssdtrain.stats import OffloadStats
+from ssdtrain.engine.stats import OffloadStats
 
 __all__ = ["offload"]
 
@@ -19,7 +19,7 @@ def offload(model: Any = None, *, enabled: bool = True, **overrides: Any) -> Any
     if not enabled:
         OffloadConfig.from_dict({k: v for k, v in overrides.items() if k != "keep_modules"})
         return Disabled()
-    from ssdtrain.offloader import Offloader
+    from ssdtrain.engine.offloader import Offloader
 
     return Offloader(model, **overrides)
 

@@ -206,12 +206,12 @@ def main() -> None:
             "left_behind": [os.path.join(d, f) for d, _, fs in os.walk(storage) for f in fs],
         }
         if "tp" in mode:
-            by_parts, ssdtrain.keep._BY_PARTS = ssdtrain.keep._BY_PARTS, ()  # DTensors kept as they are
+            by_parts, ssdtrain.engine.keep._BY_PARTS = ssdtrain.engine.keep._BY_PARTS, ()  # DTensors kept as they are
             try:
                 kept, report[mode]["written_bytes_dtensors_kept"] = train(
                     base, mode, rank, {"path": storage + "-kept", "min_bytes": 0})
             finally:
-                ssdtrain.keep._BY_PARTS = by_parts
+                ssdtrain.engine.keep._BY_PARTS = by_parts
             report[mode]["differ_dtensors_kept"] = sorted(n for n in want if not torch.equal(kept[n], want[n]))
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-import ssdtrain.offloader as offloader_module
+import ssdtrain.engine.offloader as offloader_module
 from ssdtrain.store.throttle import ThrottledBackend
 
 

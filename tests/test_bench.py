@@ -429,7 +429,7 @@ def test_plot_without_matplotlib_is_one_clear_line(tmp_path, capsys, monkeypatch
 
 
 def test_probe_missing_reports_none(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "ssdtrain.probe", None)
+    monkeypatch.setitem(sys.modules, "ssdtrain.tools.probe", None)
     d = drive.probe([str(tmp_path)], 1 << 20, False)
     assert d["write_gbps"] is None and d["read_gbps"] is None and "probe" in d["error"]
 
@@ -521,7 +521,7 @@ def _benchmark(name: str):
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"{name}_benchmark", path)
+    spec = importlib.util.spec_from_file_location(f"{name.replace('/', '_')}_benchmark", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -562,7 +562,7 @@ def test_pack_cost_benchmark_smoke(tmp_path, capsys):
     """benchmarks/pack_cost.py at a tiny size: each path is the one it names, and a save kept at
     once makes fewer calls than one copied to the tier (so that the benchmark cannot rot, and the
     cheap path stays cheap)."""
-    from ssdtrain import offloader as offloader_mod
+    from ssdtrain.engine import offloader as offloader_mod
 
     module = _benchmark("pack_cost")
     out = tmp_path / "pack.json"
@@ -580,9 +580,9 @@ def test_pack_cost_benchmark_smoke(tmp_path, capsys):
 
 
 def test_copy_issue_cost_benchmark_smoke(tmp_path, capsys):
-    """benchmarks/copy_issue_cost.py on the CPU (the harness; the ways that need CUDA are left
+    """benchmarks/investigations/copy_issue_cost.py on the CPU (the harness; the ways that need CUDA are left
     out): a loop beside a copying thread, per launch and per copy, in its JSON."""
-    module = _benchmark("copy_issue_cost")
+    module = _benchmark("investigations/copy_issue_cost")
     out = tmp_path / "cost.json"
     assert module.main(["--device", "cpu", "--copies", "20", "--mib", "0.25", "--launches", "2000", "--rounds", "1",
                         "--json", str(out)]) == 0
@@ -594,10 +594,10 @@ def test_copy_issue_cost_benchmark_smoke(tmp_path, capsys):
 
 
 def test_spy_summary_counts_each_threads_own_and_inclusive_samples(tmp_path, capsys):
-    """benchmarks/spy_summary.py on py-spy's raw format: samples per thread, busiest first; a
+    """benchmarks/investigations/spy_summary.py on py-spy's raw format: samples per thread, busiest first; a
     sample's own frame is its last; a frame on a stack twice (recursion) counts once per sample;
     lines that are not samples are skipped."""
-    module = _benchmark("spy_summary")
+    module = _benchmark("investigations/spy_summary")
     raw = tmp_path / "spy.txt"
     raw.write_text(
         'process 7:"python x.py";thread (0x1): MainThread;main (/w/x.py:3);f (/w/m.py:9);f (/w/m.py:9);'

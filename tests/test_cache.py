@@ -5,7 +5,7 @@ import gc
 import torch
 
 import ssdtrain
-from ssdtrain.cache import Entry, StorageIndex, byte_span, byte_view, rebuild, Ref
+from ssdtrain.engine.cache import Entry, StorageIndex, byte_span, byte_view, rebuild, Ref
 
 
 class SaveMany(torch.autograd.Function):

@@ -1,5 +1,5 @@
 """DTensor saves (torch's tensor parallelism) go to storage by their parts and come back exact
-(Note [a DTensor is saved by its parts], ``ssdtrain/keep.py``).
+(Note [a DTensor is saved by its parts], ``ssdtrain/engine/keep.py``).
 
 One process, a 1-rank gloo group: DTensor's dispatch, flatten and unflatten are the same code as on
 many ranks. Two and four ranks: ``tests/test_recipes.py::test_tensor_parallel``.
@@ -15,7 +15,8 @@ from torch import nn
 
 import ssdtrain
 from _recipes_worker import SEQ, VOCAB, TinyGPT, TPBlock, tensor_parallel
-from ssdtrain import StorageError, keep
+from ssdtrain import StorageError
+from ssdtrain.engine import keep
 
 dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import ssdtrain
-from ssdtrain.cache import Ref, State
+from ssdtrain.engine.cache import Ref, State
 from ssdtrain.store._pool import IOFuture
 from ssdtrain.store.posix import PosixBackend
 

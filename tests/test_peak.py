@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import ssdtrain
-import ssdtrain.hooks as hooks_module
-from ssdtrain.peak import DriveMeter, PeakClock, possible_bytes
+import ssdtrain.engine.hooks as hooks_module
+from ssdtrain.engine.peak import DriveMeter, PeakClock, possible_bytes
 
 from _clock_store import ClockStore
 

@@ -1,4 +1,4 @@
-"""Tests for ssdtrain/plan.py: the analytic planner."""
+"""Tests for ssdtrain/planner/plan.py: the analytic planner."""
 
 import json
 import math
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from ssdtrain import plan as P
+from ssdtrain.planner import plan as P
 
 
 def test_formula_is_korthikanti_for_16bit():
@@ -206,9 +206,9 @@ def test_estimate_within_15_percent_of_real_saved_bytes(flash):
     assert total == pytest.approx(estimate, rel=0.15)
 
 
-# --- the drive-limited model (ssdtrain/plan_drive.py) ------------------------------------------
+# --- the drive-limited model (ssdtrain/planner/plan_drive.py) ------------------------------------------
 
-from ssdtrain import plan_drive as D  # noqa: E402
+from ssdtrain.planner import plan_drive as D  # noqa: E402
 
 
 def _saves(*pairs, needed=None):
@@ -494,7 +494,8 @@ def test_plan_vs_bench_smoke(tmp_path, capsys):
 def test_the_planner_uses_the_write_budgets_thresholds():
     """plan_drive keeps its own copy of the budget's thresholds (the planner imports no torch):
     they must be the engine's."""
-    from ssdtrain import plan_drive, schedule
+    from ssdtrain.planner import plan_drive
+    from ssdtrain.engine import schedule
 
     assert (plan_drive.DRIVE_BOUND, plan_drive.MIN_DRIVE_STALL) == (schedule.DRIVE_BOUND, schedule.MIN_DRIVE_STALL)
 
@@ -502,7 +503,7 @@ def test_the_planner_uses_the_write_budgets_thresholds():
 def test_optimizer_bytes_set_the_model_states(tmp_path):
     """``--optimizer-bytes``: AdamW in bf16 with no master copy (the bench's) holds 4 bytes of
     state a parameter, not 12: 8 bytes a parameter in all, and a longer sequence fits."""
-    from ssdtrain.plan_model import model_state_bytes
+    from ssdtrain.planner.plan_model import model_state_bytes
 
     default, bf16_adam = _inp(), _inp(optimizer_bytes=4)
     assert model_state_bytes(default, 1000, 1) == 16 * 1000

@@ -11,7 +11,7 @@ from torch import nn
 
 import ssdtrain
 from ssdtrain.config import OffloadConfig
-from ssdtrain.schedule import DriveAdvice, WriteBudget
+from ssdtrain.engine.schedule import DriveAdvice, WriteBudget
 from ssdtrain.store.memory import MemoryBackend
 from ssdtrain.store.throttle import ThrottledBackend
 

@@ -1,4 +1,4 @@
-"""ssdtrain probe (ssdtrain/probe.py): results, JSON, warnings, bad paths, nothing left behind."""
+"""ssdtrain probe (ssdtrain/tools/probe.py): results, JSON, warnings, bad paths, nothing left behind."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from ssdtrain import probe
+from ssdtrain.tools import probe
 from ssdtrain.store import _fs
 
 SMALL = dict(size_bytes=4 << 20, block_bytes=1 << 20, threads=2)

@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import ssdtrain
+from ssdtrain import sac
 
 HIDDEN, SEQ, BATCH, BLOCKS = 256, 256, 8, 4
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
@@ -29,7 +30,7 @@ def _blocks(dropout: float = 0.0) -> nn.ModuleList:
                                        nn.Linear(4 * HIDDEN, HIDDEN)) for _ in range(BLOCKS))
 
 
-def _step(blocks: nn.ModuleList, context_fn, off=None, *, wait: bool = True) -> list[torch.Tensor]:
+def _step(blocks: nn.ModuleList, context_fn, off=None, *, wait: bool = True, ckpt=checkpoint) -> list[torch.Tensor]:
     """One forward (each block checkpointed with ``context_fn``) and backward; every gradient."""
     blocks.zero_grad(set_to_none=True)
     x = torch.randn(BATCH, SEQ, HIDDEN, generator=torch.Generator().manual_seed(1), requires_grad=True)
@@ -37,7 +38,7 @@ def _step(blocks: nn.ModuleList, context_fn, off=None, *, wait: bool = True) -> 
     with off if off is not None else contextlib.nullcontext():
         h = x
         for block in blocks:
-            h = checkpoint(block, h, use_reentrant=False, context_fn=context_fn)
+            h = ckpt(block, h, use_reentrant=False, context_fn=context_fn)
         loss = h.square().mean()
         if wait and off is not None:
             off.wait()  # every write lands before backward (adaptive keep would cancel queued ones)
@@ -89,7 +90,8 @@ def test_what_sac_keeps_is_written_and_gradients_are_exact(off_dir):
     want = _step(blocks, _plain(save_matmuls))
 
     plain = ssdtrain.Offloader(blocks, path=str(off_dir), min_bytes=0)
-    _equal(_step(blocks, _plain(save_matmuls), plain), want)
+    with _told_unswitched():
+        _equal(_step(blocks, _plain(save_matmuls), plain), want)
     missed = _settled(plain)
     assert missed.written_bytes < kept / 4  # the issue: SAC's saves never reach the hooks
 
@@ -104,6 +106,34 @@ def test_what_sac_keeps_is_written_and_gradients_are_exact(off_dir):
     assert s.written_bytes >= 2 * 0.8 * kept
     assert s.read_bytes == s.written_bytes  # all of it came back from the drive
     assert list(off_dir.iterdir()) == []
+
+
+@contextlib.contextmanager
+def _told_unswitched():
+    """Plain SAC inside ``with off:``: on a torch with ``respect_saved_tensors_hooks`` unset, torch
+    warns (FutureWarning) and so does ssdtrain, once, naming the fix (Note [SAC without the switch
+    is told]); on an older torch neither does."""
+    if not sac.has_switch():
+        yield
+        return
+    with pytest.warns(FutureWarning, match="respect_saved_tensors_hooks"):
+        with pytest.warns(UserWarning, match=r"ssdtrain: .*respect_saved_tensors_hooks=True"):
+            yield
+
+
+@pytest.mark.skipif(not sac.has_switch(), reason="torch < 2.14 has no respect_saved_tensors_hooks")
+def test_plain_sac_with_torchs_switch_is_written_and_exact(off_dir):
+    """torch >= 2.14: the user's own SAC with ``respect_saved_tensors_hooks=True`` inside ``with
+    off:`` goes through ssdtrain's hooks: no warning, what SAC keeps written, gradients exact."""
+    blocks = _blocks()
+    kept = _sac_kept_bytes(blocks, save_matmuls)
+    want = _step(blocks, _plain(save_matmuls))
+    off = ssdtrain.Offloader(blocks, path=str(off_dir), min_bytes=0, when_full="wait")
+    switched = functools.partial(checkpoint, respect_saved_tensors_hooks=True)
+    for _ in range(2):
+        _equal(_step(blocks, _plain(save_matmuls), off, ckpt=switched), want)
+    s = _settled(off)
+    assert s.written_bytes >= 2 * 0.8 * kept and s.read_bytes == s.written_bytes
 
 
 def test_each_op_goes_to_the_drive_stays_in_memory_or_is_recomputed(off_dir):

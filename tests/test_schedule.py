@@ -9,7 +9,7 @@ from torch import nn
 import ssdtrain
 import ssdtrain.store.posix as posix
 from ssdtrain.bench.models import GPT, GPTConfig
-from ssdtrain.schedule import KeepPolicy, ReadWindow, Scope, Scopes, WriteBudget, find_blocks
+from ssdtrain.engine.schedule import KeepPolicy, ReadWindow, Scope, Scopes, WriteBudget, find_blocks
 
 from _equiv import assert_same, step
 

@@ -1,4 +1,4 @@
-"""``ssdtrain selftest`` (ssdtrain/selftest.py) on this machine: the CPU checks pass, the CUDA ones
+"""``ssdtrain selftest`` (ssdtrain/tools/selftest.py) on this machine: the CPU checks pass, the CUDA ones
 are skipped with a plain message where there is no GPU, and a broken backend is caught."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from ssdtrain import cli, selftest
+from ssdtrain import cli
+from ssdtrain.tools import selftest
 from ssdtrain.config import OffloadConfig
 from ssdtrain.store.memory import MemoryBackend
 
@@ -79,7 +80,7 @@ def test_a_path_that_is_not_a_directory(tmp_path, capsys):
 
 
 def test_importing_it_imports_no_torch():
-    code = "import sys, ssdtrain.selftest; assert 'torch' not in sys.modules; print('ok')"
+    code = "import sys, ssdtrain.tools.selftest; assert 'torch' not in sys.modules; print('ok')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "ok", out.stderr
 

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import ssdtrain
-from ssdtrain.cache import Small, SmallSaves
-from ssdtrain.stats import Counters
+from ssdtrain.engine.cache import Small, SmallSaves
+from ssdtrain.engine.stats import Counters
 
 from _equiv import assert_same, step
 

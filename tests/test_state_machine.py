@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import ssdtrain
-from ssdtrain.cache import State
+from ssdtrain.engine.cache import State
 
 from _manual_store import ManualStore
 
@@ -27,7 +27,7 @@ def _each_pack_is_an_op(monkeypatch):
     save per op. Without this, all of them would be one op's saves, written only at ``wait()``."""
     import itertools
 
-    from ssdtrain import hooks
+    from ssdtrain.engine import hooks
     monkeypatch.setattr(hooks, "_op_now", itertools.count().__next__)
 
 

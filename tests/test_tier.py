@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 import ssdtrain
-from ssdtrain import offloader as offloader_mod
+from ssdtrain.engine import offloader as offloader_mod
 from ssdtrain.bench.models import GPT, GPTConfig
 from ssdtrain.config import OffloadConfig
-from ssdtrain.copy_clock import COPY_SHARE, DUE_MARGIN, HOST_STRETCH, PROBE_SHARE, CopyClock
-from ssdtrain.host_pool import HostPool, auto_host_bytes
+from ssdtrain.host.copy_clock import COPY_SHARE, DUE_MARGIN, HOST_STRETCH, PROBE_SHARE, CopyClock
+from ssdtrain.host.host_pool import HostPool, auto_host_bytes
 
 from _equiv import assert_same, step
 
@@ -578,7 +578,7 @@ def test_the_first_cuda_save_finds_the_first_slab_pinned(monkeypatch):
     background, the first step's saves went to the drive); later slabs on the pin thread."""
     import threading
 
-    from ssdtrain import tier as tier_mod
+    from ssdtrain.host import tier as tier_mod
 
     threads = []
 
@@ -638,7 +638,8 @@ def test_tier_copies_are_handed_over_a_batch_at_a_time(off_dir, tier_on_cpu, mon
     HAND_OVER_SAVES of them are there, and go to the copy thread together, settled by one
     completion each batch; HAND_OVER_BYTES, or a save packed HAND_OVER_SECONDS ago, make them go
     sooner. Exact all the same."""
-    from ssdtrain import tier, writer
+    from ssdtrain.host import tier
+    from ssdtrain.engine import writer
     batches, finishes = [], []
     real_copy_in, real_finish_all = tier.TieredBackend._copy_in, writer.WriteQueue._finish_all
     monkeypatch.setattr(tier.TieredBackend, "_copy_in",
@@ -658,7 +659,7 @@ def test_tier_copies_are_handed_over_a_batch_at_a_time(off_dir, tier_on_cpu, mon
         # Small saves stay queued (not handed over) until HAND_OVER_SAVES of them wait, or
         # HAND_OVER_BYTES, or the oldest was packed HAND_OVER_SECONDS ago.
         x = torch.randn(64, 64, requires_grad=True)
-        State = ssdtrain.cache.State
+        State = ssdtrain.engine.cache.State
         seen, enough_bytes = {}, writer.HAND_OVER_BYTES
 
         def handed_over(refs):
@@ -732,7 +733,7 @@ def test_copies_to_the_pool_call_the_runtime_directly_and_fall_back_to_torch(mon
     torch) and leaves the runtime unused from then on."""
     import contextlib
 
-    from ssdtrain import host_copies
+    from ssdtrain.host import host_copies
 
     calls = []
     fences = []
@@ -753,7 +754,7 @@ def test_copies_to_the_pool_call_the_runtime_directly_and_fall_back_to_torch(mon
 
     calls.clear()
     rt.fail = 700
-    with caplog.at_level("WARNING", logger="ssdtrain.host_copies"):
+    with caplog.at_level("WARNING", logger="ssdtrain.host.host_copies"):
         assert host_copies.queue_to_host([0x10000], srcs[:1], [None]) is None
     assert calls[-1] == ("clear",) and "illegal memory access" in caplog.text
     assert host_copies._cudart() is None  # torch's way from now on
@@ -768,7 +769,7 @@ def test_copies_back_to_the_device_call_the_runtime_directly(monkeypatch):
     tied to that stream; a ready that is not a fence (a host wait) leaves them to torch."""
     import contextlib
 
-    from ssdtrain import host_copies
+    from ssdtrain.host import host_copies
 
     calls = []
 
@@ -803,7 +804,7 @@ def test_copies_back_to_the_device_call_the_runtime_directly(monkeypatch):
 
 
 def test_no_runtime_calls_where_native_code_is_disabled(monkeypatch):
-    from ssdtrain import host_copies
+    from ssdtrain.host import host_copies
     monkeypatch.setenv("SSDTRAIN_NO_EXT", "1")
     assert host_copies._load_cudart() is None
 
@@ -814,7 +815,7 @@ def test_the_runtime_called_is_the_one_torch_was_built_with(monkeypatch):
     import ctypes
     import io
 
-    from ssdtrain import host_copies
+    from ssdtrain.host import host_copies
     maps = ("7f00-7f01 r-xp 0 00:00 1 /site/nvidia/cu12/lib/libcudart.so.12\n"
             "7f02-7f03 r-xp 0 00:00 2 /site/nvidia/cu13/lib/libcudart.so.13\n")
     monkeypatch.setattr(host_copies, "open", lambda path: io.StringIO(maps), raising=False)
@@ -838,7 +839,7 @@ def test_a_safe_point_drains_for_a_lagging_copy_only_once_it_may_go(off_dir, tie
     neither due by the clock nor past its fence, a safe point does not drain."""
     from types import SimpleNamespace
 
-    from ssdtrain.host_pool import HostExtent
+    from ssdtrain.host.host_pool import HostExtent
     off = ssdtrain.Offloader(nn.Linear(4, 4), path=str(off_dir), min_bytes=0)
     try:
         drains = []
@@ -866,7 +867,7 @@ def test_tier_reads_are_issued_a_batch_at_a_time(off_dir, tier_on_cpu, monkeypat
     """Note [tier reads are issued a batch at a time]: backward's window moves once a quarter of
     it is free, and the reads it picks go to the copy-back thread together; exact all the same,
     and backward still finds its saves read ahead."""
-    from ssdtrain import tier
+    from ssdtrain.host import tier
     batches = []
     real = tier.TieredBackend._copy_out
     monkeypatch.setattr(tier.TieredBackend, "_copy_out", lambda self, batch: (batches.append(len(batch)),
@@ -910,9 +911,9 @@ def test_a_tier_copy_is_due_from_its_hand_over(off_dir, tier_on_cpu, monkeypatch
     forward goes on gets its due position when the queue hands it to the copy thread, from
     forward's position then, not from where it was packed (there it would be due, and released,
     as soon as it was copied, the compute stream waiting for the whole copy)."""
-    from ssdtrain import writer
-    from ssdtrain.host_pool import HostExtent
-    State = ssdtrain.cache.State
+    from ssdtrain.engine import writer
+    from ssdtrain.host.host_pool import HostExtent
+    State = ssdtrain.engine.cache.State
     model, loss_fn, base, off, forward = _tier_setup(off_dir)
     try:
         forward()  # the pool pinned, the engine warm

@@ -38,7 +38,7 @@ def probe(paths: list[str], size: int, progress: bool | None) -> dict:
     """Raw drive bandwidth of the offload paths (summed over paths), or why not."""
     drive: dict[str, Any] = {"paths": paths, "write_gbps": None, "read_gbps": None}
     try:
-        from ssdtrain.probe import probe_path
+        from ssdtrain.tools.probe import probe_path
     except ImportError as exc:
         drive["error"] = f"probe unavailable: {exc}"
         return drive

@@ -1,6 +1,6 @@
 """What every storage backend offers the engine: extents, and asynchronous writes and reads.
 
-The engine (``ssdtrain/offloader.py``) never touches a file: it asks a backend for an extent,
+The engine (``ssdtrain/engine/offloader.py``) never touches a file: it asks a backend for an extent,
 submits a write of a tensor's bytes into it, later submits a read back, and frees the extent
 when the last saved reference to it dies. Backends own their threads and their parallelism
 (``chunk_bytes`` requests, ``io_threads`` per path).

@@ -50,7 +50,7 @@ except (ImportError, OSError) as e:  # a library it links against is missing or 
     raise ImportError(f"kvikio is installed but cannot be imported ({e}); reinstall it for this machine's CUDA: "
                       "pip install 'ssdtrain[kvikio]' (CUDA 13) or 'ssdtrain[kvikio-cu12]'") from e
 
-from ssdtrain import device
+from ssdtrain.engine import device
 from ssdtrain.config import OffloadConfig
 from ssdtrain.store import _fs
 from ssdtrain.store._arena import Arena, ArenaBackend, open_unnamed

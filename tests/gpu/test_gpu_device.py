@@ -1,4 +1,4 @@
-"""ssdtrain/device.py on a GPU: I/O streams of our own, fences that sleep, threads on the right
+"""ssdtrain/engine/device.py on a GPU: I/O streams of our own, fences that sleep, threads on the right
 device, and an I/O path that does not serialise with compute."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 import torch
 from _gpu import BACKENDS
 
-from ssdtrain import device
-from ssdtrain.selftest import OVERLAP_LIMIT, overlap_ratio
+from ssdtrain.engine import device
+from ssdtrain.tools.selftest import OVERLAP_LIMIT, overlap_ratio
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

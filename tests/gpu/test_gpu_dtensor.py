@@ -9,7 +9,7 @@ import torch
 from _gpu import BACKENDS
 
 import ssdtrain
-from ssdtrain import keep
+from ssdtrain.engine import keep
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -11,7 +11,7 @@ import torch
 from _gpu import BACKENDS
 
 import ssdtrain
-from ssdtrain.selftest import exact_gradients
+from ssdtrain.tools.selftest import exact_gradients
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -48,7 +48,7 @@ class _Net(torch.nn.Module):
 
     def __init__(self, dtype, sleep, *, second_stream: bool, ms: float) -> None:
         super().__init__()
-        from ssdtrain.selftest import TinyTransformer
+        from ssdtrain.tools.selftest import TinyTransformer
 
         self.body = TinyTransformer(d=128, heads=4, layers=3).to(CUDA, dtype)
         self.sleep, self.ms = sleep, ms
@@ -161,7 +161,7 @@ def test_offloading_lowers_device_memory(backend, tmp_path):
     # What offloading is for: after forward (and its writes), less device memory is held.
     name, setup = backend
     torch.manual_seed(0)
-    from ssdtrain.selftest import TinyTransformer
+    from ssdtrain.tools.selftest import TinyTransformer
 
     model = TinyTransformer(d=256, heads=8, layers=4, p=0.0).to(CUDA)
     x = torch.randn(16, 256, 256, device=CUDA)

@@ -42,7 +42,7 @@ def test_tier_copies_through_the_runtime_or_torch_are_exact(copies, tmp_path, sl
     # Note [the copy thread issues copies without the GIL], Note [reads back are issued without
     # the GIL too]: the direct calls, both ways, are what runs here (torch's wheels load
     # libcudart), and torch's way, the fallback, is exact as well.
-    from ssdtrain import host_copies
+    from ssdtrain.host import host_copies
     if copies == "torch":
         monkeypatch.setattr(host_copies, "_runtime", False)
     model, xs = _net(torch.bfloat16, sleep, True, 2)
@@ -144,9 +144,9 @@ def test_no_step_keeps_everything_where_there_is_no_room(tmp_path, sleep, monkey
     """Note [the reference forward needs room]: with no room above the last peak for what the
     tier took off it, no forward is measured with no copy: every step's peak stays low (the tier
     copies what it can, due by the forward before), a warning says so once, gradients exact."""
-    from ssdtrain import copy_clock
+    from ssdtrain.host import copy_clock
 
-    monkeypatch.setattr(ssdtrain.host_copies, "room_above_peak", lambda *args: 0)
+    monkeypatch.setattr(ssdtrain.host.host_copies, "room_above_peak", lambda *args: 0)
     # These copies (7 ms in a 60 ms forward) are cheap: no forward would be made to copy nothing
     # (the test below). Here every forward's copies count as dear, so the room decides.
     monkeypatch.setattr(copy_clock, "CHEAP_SHARE", 0.0)
@@ -198,7 +198,7 @@ def test_cheap_copies_never_make_a_forward_keep_everything(tmp_path, sleep):
 
 
 def test_room_above_peak_follows_the_peak_and_the_fraction():
-    from ssdtrain import host_copies
+    from ssdtrain.host import host_copies
 
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -216,7 +216,7 @@ def test_room_above_peak_follows_the_peak_and_the_fraction():
 
 
 def test_probe_measures_the_host_tiers_copy_rates():
-    from ssdtrain import probe
+    from ssdtrain.tools import probe
 
     r = probe.host_rates(64 << 20)
     assert r["device"] == torch.cuda.get_device_name()

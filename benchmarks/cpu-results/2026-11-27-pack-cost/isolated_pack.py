@@ -1,5 +1,6 @@
 import torch, time, tempfile, ssdtrain, statistics, sys
-from ssdtrain import offloader as om, tier
+from ssdtrain.engine import offloader as om
+from ssdtrain.host import tier
 om._TIER_DEVICES=("cuda","cpu")
 orig=tier._Batches.submit
 def inline(self, request):

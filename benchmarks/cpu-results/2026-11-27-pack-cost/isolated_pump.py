@@ -2,7 +2,8 @@
 # saves go on a GPU), the training thread's CPU time per pack, with parts of the engine stubbed out.
 # python benchmarks/cpu-results/2026-11-27-pack-cost/isolated_pump.py
 import torch, time, tempfile, ssdtrain, statistics, sys
-from ssdtrain import offloader as om, tier, writer, hooks
+from ssdtrain.engine import offloader as om, writer, hooks
+from ssdtrain.host import tier
 om._TIER_DEVICES=("cuda","cpu")
 def measure(label, patch=None, unpatch=None):
     if patch: patch()

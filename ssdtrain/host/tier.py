@@ -8,10 +8,10 @@ pool cannot hold it. CPU tensors never use the tier: they have no device memory 
 
 Three pieces, each usable without a GPU (the tests drive them with made-up numbers):
 
-* :class:`~ssdtrain.host_pool.HostPool` (its own file): the pinned memory, pinned in slabs as
+* :class:`~ssdtrain.host.host_pool.HostPool` (its own file): the pinned memory, pinned in slabs as
   it fills (never a pinned allocation per tensor: each costs milliseconds and synchronises the
   device), on a thread of its own;
-* :class:`~ssdtrain.copy_clock.CopyClock` (its own file): what each forward may copy before
+* :class:`~ssdtrain.host.copy_clock.CopyClock` (its own file): what each forward may copy before
   its peak, and when each copy is due;
 * :class:`TieredBackend`: a :class:`~ssdtrain.store.Backend` in front of the drive backend,
   which moves host extents by device copies and hands everything else to the drives.
@@ -29,9 +29,10 @@ from typing import Any
 
 import torch
 
-from ssdtrain import device, host_copies
-from ssdtrain.copy_clock import CopyClock
-from ssdtrain.host_pool import HostExtent, HostPool, _host_empty, auto_host_bytes
+from ssdtrain.engine import device
+from ssdtrain.host import host_copies
+from ssdtrain.host.copy_clock import CopyClock
+from ssdtrain.host.host_pool import HostExtent, HostPool, _host_empty, auto_host_bytes
 from ssdtrain.store._pool import IOFuture, IOPool
 from ssdtrain.store.base import Backend, Extent
 
@@ -232,7 +233,7 @@ class TieredBackend(Backend):
 
     # -- bookkeeping --------------------------------------------------------------------------
     def fill(self, snap: Any) -> None:
-        """Sets the tier's fields of an :class:`~ssdtrain.stats.OffloadStats`."""
+        """Sets the tier's fields of an :class:`~ssdtrain.engine.stats.OffloadStats`."""
         with self._lock:
             snap.host_copied_bytes, snap.host_read_bytes, snap.spilled_bytes = self.copied, self.read, self.spilled
         snap.host_copy_limit_bytes = self.clock.limit if self.clock.reference is not None else None

@@ -1,6 +1,6 @@
 """What the saved-tensor hooks do with each save: pack, unpack, and the safe points between them.
 
-:class:`SaveHooks` is the half of :class:`~ssdtrain.offloader.Offloader` that runs inside a
+:class:`SaveHooks` is the half of :class:`~ssdtrain.engine.offloader.Offloader` that runs inside a
 step, on the training thread: pack asks ``keep.py`` what stays as it is, the cache which entry a
 save belongs to, and hands new entries to the write queue (or keeps them, and says why); unpack
 hands back what is still in memory, or waits for the read that the read-ahead window issued.
@@ -11,15 +11,17 @@ clocks, one lock) is made and owned by the Offloader, which also holds the publi
 from __future__ import annotations
 
 import copy
+import sys
 import time
 from typing import Any
 
 import torch
 
-from ssdtrain import device, host_copies, keep
-from ssdtrain.cache import Entry, Parts, Ref, Small, State, byte_span, entry_span, rebuild
-from ssdtrain.peak import possible_bytes
-from ssdtrain.schedule import Scope
+from ssdtrain.engine import device, keep
+from ssdtrain.host import host_copies
+from ssdtrain.engine.cache import Entry, Parts, Ref, Small, State, byte_span, entry_span, rebuild
+from ssdtrain.engine.peak import possible_bytes
+from ssdtrain.engine.schedule import Scope
 from ssdtrain.store import StorageError
 from ssdtrain.store._mem import profiled
 
@@ -30,12 +32,26 @@ _now = time.perf_counter  # a seam for tests (the Offloader reads the time throu
 # Note [a save is copied only after its op returned] (``writer.py``): the thread's autograd
 # sequence number names the op that saves. A torch without it (none since 2.4 is known to lack
 # it) gets one token for every save: a save is then written only between ops (``wait()``, the end
-# of forward), never while an op may still fill it.
-_op_now = getattr(torch.autograd, "_get_sequence_nr", None) or (lambda: 0)
+# of forward), never while an op may still fill it. A custom ``autograd.Function`` (a compiled
+# graph is one) packs what it saved once its forward has returned: its saves have no op to wait
+# for (``None``), found as ``Function.apply`` among the few frames above pack.
+_seq_now = getattr(torch.autograd, "_get_sequence_nr", None) or (lambda: 0)
+_APPLY = torch.autograd.Function.apply.__func__.__code__
+
+
+def _op_now() -> Any:
+    frame = sys._getframe(3)  # above _op_now, _pack_entry and _pack: a wrapper of pack, or the op's caller
+    for _ in range(3):
+        if frame is None:
+            break
+        if frame.f_code is _APPLY:
+            return None
+        frame = frame.f_back
+    return _seq_now()
 
 
 class SaveHooks:
-    """Pack, unpack and safe points of an :class:`~ssdtrain.offloader.Offloader` (its base)."""
+    """Pack, unpack and safe points of an :class:`~ssdtrain.engine.offloader.Offloader` (its base)."""
 
     # -- pack ---------------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> Any:

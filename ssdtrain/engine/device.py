@@ -4,7 +4,7 @@ No other module of ssdtrain calls ``torch.cuda`` but ``host_copies.py`` (the hos
 and timings, built on this one). Nothing here runs at import, and nothing here initialises CUDA
 unless a CUDA tensor is actually being offloaded.
 
-What the engine calls (``ssdtrain/offloader.py``):
+What the engine calls (``ssdtrain/engine/offloader.py``):
 
 * pack: :func:`producer_stream` for a tensor that will be written, and :func:`fence_on` that
   stream once the op that saved it returned (Note [write waits for the producer], Note [a save is

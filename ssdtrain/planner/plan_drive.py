@@ -8,7 +8,7 @@ memory, decides what can be offloaded. In one micro-batch's step, roughly::
 bytes can go out during forward and come back during backward without compute waiting, less
 what the order of the saves forbids. This module works that out save by save, from the model's
 dimensions, the achieved compute rate and the drive, with the same rules the offloader follows
-(``ssdtrain/offloader.py``, ``writer.py``, ``schedule.py``):
+(``ssdtrain/engine/offloader.py``, ``writer.py``, ``schedule.py``):
 
 * **Saves**, per layer in pack order, the 16 tensors of Korthikanti et al. (``plan.py``'s
   formula): LayerNorm input, QKV input, Q/K/V (one storage), [the s x s attention tensors with
@@ -72,7 +72,7 @@ import argparse
 import math
 from dataclasses import asdict, dataclass
 
-from ssdtrain.plan_model import _divisors, _stage_counts, _stage_memory, _usable_bytes, evaluate
+from ssdtrain.planner.plan_model import _divisors, _stage_counts, _stage_memory, _usable_bytes, evaluate
 
 __all__ = [
     "DriveStep",
@@ -337,7 +337,7 @@ def simulate(saves_: list[Save], *, forward_s: float, backward_s: float, write_b
 
 def drive_step(inp, mode: str, stages: int, micro_batch: int, *, head: bool | None = None,
                inflight: int = 1) -> DriveStep:
-    """:func:`simulate` for ``inp`` (a :class:`ssdtrain.plan.Inputs`): one micro-batch of the
+    """:func:`simulate` for ``inp`` (a :class:`ssdtrain.planner.plan.Inputs`): one micro-batch of the
     first of ``stages`` pipeline stages (the whole model, head included, when ``stages == 1``;
     under 1F1B otherwise), ``inflight`` micro-batches sharing the host tier."""
     if mode not in DRIVE_MODES:
@@ -493,7 +493,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def input_fields(args: argparse.Namespace) -> dict:
-    """:class:`ssdtrain.plan.Inputs` fields from :func:`add_arguments`'s flags."""
+    """:class:`ssdtrain.planner.plan.Inputs` fields from :func:`add_arguments`'s flags."""
     return {"drives": args.drives, "drive_read_gbps": args.drive_read_gbps, "backward_tflops": args.backward_tflops,
             "min_bytes": args.min_bytes, "handoff_bytes": int(args.handoff_mib * MIB), "host_gbps": args.host_gbps,
             "host_gib": args.host_gib}

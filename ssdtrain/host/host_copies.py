@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ssdtrain.device import Fence, _on, is_cuda, order, side_stream
+from ssdtrain.engine.device import Fence, _on, is_cuda, order, side_stream
 
 __all__ = [
     "queue_copies", "queue_to_host", "queue_to_device", "OrderOnce",
@@ -68,7 +68,7 @@ def queue_copies(dsts: list[torch.Tensor], srcs: list[torch.Tensor], readys: lis
 
 # Note [the copy thread issues copies without the GIL]
 # The copy thread holds the GIL while torch queues a copy (``Tensor.copy_`` does not release it):
-# on an H200's host (2026-11-27, benchmarks/copy_issue_cost.py) each copy it issued that way cost
+# on an H200's host (2026-11-27, benchmarks/investigations/copy_issue_cost.py) each copy it issued that way cost
 # the training thread 10.3 us, waiting for the GIL, where the training thread has about 15 us a
 # save to spare. Called through ctypes, the CUDA runtime's functions run with the GIL released, and
 # the same copies cost the training thread nothing measurable. So the tier's copies to the pool go
@@ -130,7 +130,7 @@ def queue_to_host(addresses: list[int], srcs: list[torch.Tensor], readys: list) 
 # ``cudaMemcpyAsync`` for the bytes), so that the read thread holds the GIL no longer than the
 # copy thread does while autograd's thread runs the unpack hooks and the recomputed blocks; each
 # buffer is still tied to the side stream (``record_stream``) through torch. What it is worth
-# alone is not measured: on an H200 (2026-11-27, benchmarks/tier_host_cost.py, recompute+offload
+# alone is not measured: on an H200 (2026-11-27, benchmarks/investigations/tier_host_cost.py, recompute+offload
 # with every block input copied) both directions through the runtime against both through torch
 # were within the run's noise (89.0 against 88.6 ms a step, and 98.5 against 96.8 on a slower
 # host); the GPU tests pass both ways (tests/gpu/test_gpu_tier.py).

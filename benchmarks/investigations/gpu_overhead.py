@@ -13,7 +13,7 @@ that only count), reports:
   every thread), every thread's Python stack a set time into a step queued behind the spin
   (``--dump-after S``), and their native stacks through ``cuda-gdb`` (``--native-stacks FILE``).
 
-    python benchmarks/gpu_overhead.py [--layers 8 --hidden 256 ...] [--backend posix] [--path DIR] [--recompute]
+    python benchmarks/investigations/gpu_overhead.py [--layers 8 --hidden 256 ...] [--backend posix] [--path DIR] [--recompute]
 
 ``--recompute``: each block under ``torch.utils.checkpoint`` and ``min_bytes=0``, as the bench's
 ``recompute+offload``; ``baseline`` is then recompute. On the H200 (2026-11-27) that mode's

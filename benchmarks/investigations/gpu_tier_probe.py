@@ -17,7 +17,7 @@ Prints, and writes as JSON (``--json``):
   on a side stream, ahead of need. Per variant: the step and forward time against baseline, the
   peak of ``max_memory_allocated`` above the memory before the step, and the bytes copied.
 
-    python benchmarks/gpu_tier_probe.py --json out.json [--preset gpu] [--quick]
+    python benchmarks/investigations/gpu_tier_probe.py --json out.json [--preset gpu] [--quick]
 """
 
 from __future__ import annotations

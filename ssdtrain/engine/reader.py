@@ -8,9 +8,10 @@ from typing import Any
 
 import torch
 
-from ssdtrain import device, host_copies
-from ssdtrain.cache import Cache, Entry, Ref, rebuild
-from ssdtrain.schedule import ReadWindow, Scope, WriteBudget
+from ssdtrain.engine import device
+from ssdtrain.host import host_copies
+from ssdtrain.engine.cache import Cache, Entry, Ref, rebuild
+from ssdtrain.engine.schedule import ReadWindow, Scope, WriteBudget
 from ssdtrain.store import Backend, StorageError, on_drive
 from ssdtrain.store._mem import profiled
 

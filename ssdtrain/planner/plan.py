@@ -40,7 +40,7 @@ The model behind the numbers, stated once (each is also in the JSON under ``assu
   to proceed concurrently. When the drive is slower, the slot stretches to the write time and
   the difference is reported as stall (a strict memory bound: ``when_full="wait"``).
   Drive-writes per day = bytes written per GPU per day / the drive capacity per GPU.
-* **Drive-limited** (``drive_limited`` in the JSON; :mod:`ssdtrain.plan_drive`): what the
+* **Drive-limited** (``drive_limited`` in the JSON; :mod:`ssdtrain.planner.plan_drive`): what the
   offloader's default policy (never wait on the drive) offloads at no cost, with and without
   checkpointing, save by save: about ``min(B_write T_forward, B_read T_backward)`` per
   micro-batch, less what the order of the saves forbids; the micro-batch and bubble the freed
@@ -55,10 +55,10 @@ import json
 import sys
 from dataclasses import asdict
 
-from ssdtrain.plan_drive import add_arguments, drive_limited, format_drive, input_fields
-from ssdtrain.plan_longest import format_longest, longest
+from ssdtrain.planner.plan_drive import add_arguments, drive_limited, format_drive, input_fields
+from ssdtrain.planner.plan_longest import format_longest, longest
 # Re-exported: the model's names are also this module's (tests and callers use ``plan.Inputs``...).
-from ssdtrain.plan_model import (BYTES_PER_PARAM, DTYPE_BYTES, MODES, OFFLOAD_RESIDENT_LAYERS,  # noqa: F401
+from ssdtrain.planner.plan_model import (BYTES_PER_PARAM, DTYPE_BYTES, MODES, OFFLOAD_RESIDENT_LAYERS,  # noqa: F401
                                  RESERVE_FRACTION, Config, Inputs, _fmt_bytes, _stage_counts, _stage_memory,
                                  activation_bytes_per_layer, best_config, evaluate, head_activation_bytes,
                                  max_micro_batch)

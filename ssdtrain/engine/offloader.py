@@ -3,7 +3,7 @@
 This file holds its public surface (the context manager, micro-batch scopes, ``wait``, ``stats``,
 ``close``), the wiring of its parts, when forwards begin and end, and its side of the host tier;
 what the hooks do with each save, pack, unpack and the safe points, is its base class
-:class:`~ssdtrain.hooks.SaveHooks` (``hooks.py``). One lock guards shared state.
+:class:`~ssdtrain.engine.hooks.SaveHooks` (``hooks.py``). One lock guards shared state.
 """
 
 from __future__ import annotations
@@ -22,18 +22,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from ssdtrain import device, host_copies, hooks, keep
-from ssdtrain.cache import Cache, Entry
+from ssdtrain import sac
+from ssdtrain.engine import device, hooks, keep
+from ssdtrain.host import host_copies
+from ssdtrain.engine.cache import Cache, Entry
 from ssdtrain.config import OffloadConfig
-from ssdtrain.endurance import EnduranceMonitor
-from ssdtrain.peak import DriveMeter, PeakClock
-from ssdtrain.schedule import DriveAdvice, KeepPolicy, ReadWindow, Scope, Scopes, WriteBudget, find_blocks
-from ssdtrain.stats import Counters, OffloadStats
+from ssdtrain.tools.endurance import EnduranceMonitor
+from ssdtrain.engine.peak import DriveMeter, PeakClock
+from ssdtrain.engine.schedule import DriveAdvice, KeepPolicy, ReadWindow, Scope, Scopes, WriteBudget, find_blocks
+from ssdtrain.engine.stats import Counters, OffloadStats
 from ssdtrain.store import Backend, make_backend
-from ssdtrain.reader import Reader
-from ssdtrain.host_pool import HostExtent
-from ssdtrain.tier import TieredBackend
-from ssdtrain.writer import WriteFailures, WriteQueue
+from ssdtrain.engine.reader import Reader
+from ssdtrain.host.host_pool import HostExtent
+from ssdtrain.host.tier import TieredBackend
+from ssdtrain.engine.writer import WriteFailures, WriteQueue
 
 __all__ = ["Offloader"]
 
@@ -121,6 +123,8 @@ class Offloader(hooks.SaveHooks):
         self._scopes = Scopes(on_forget=partial(_learn, self._budget))
         self._layer_stack: list[int] = []
         self._keep_depth = [0]
+        self._sac_told = False  # Note [SAC without the switch is told]
+        self._sac_probe = partial(sac.warn_unswitched, self) if sac.has_switch() else None
         self._nested = 0  # ``with off:`` blocks open inside another of ours: Note [nested blocks are one]
         self._pinned: frozenset[int] = frozenset()
         self._reads_pending = False  # a scope in backward may still read ahead (Offloader._read_on)
@@ -267,7 +271,8 @@ class Offloader(hooks.SaveHooks):
         self._keep_depth[0] = 0
         with self._lock:
             self._open_scope(scope)
-        keep.enter_hooks(keep.untraced(self._pack), keep.untraced(self._unpack), self._scopes.active, scope)
+        keep.enter_hooks(keep.pack_hook(keep.untraced(self._pack), self, self._sac_probe),
+                         keep.untraced(self._unpack), self._scopes.active, scope)
 
     def _open_scope(self, scope: Scope) -> None:
         """Under the lock: a forward begins. Another forward comes before their backward: the

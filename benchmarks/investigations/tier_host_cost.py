@@ -26,7 +26,7 @@ Run it without ``CUBLAS_WORKSPACE_CONFIG`` (``.ci/gpu-check hostcost`` does): wi
 2.11 parses it with a regex at every cuBLAS matmul, and forward becomes host-bound as a user's is
 not (py-spy on an H200, 2026-11-27).
 
-    python benchmarks/tier_host_cost.py [--layers 12 --hidden 2048 --seq 2048 --batch 4] [--json F] [--trace DIR]
+    python benchmarks/investigations/tier_host_cost.py [--layers 12 --hidden 2048 --seq 2048 --batch 4] [--json F] [--trace DIR]
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ import time
 import torch
 
 import ssdtrain
-from ssdtrain import host_copies
+from ssdtrain.host import host_copies
 from ssdtrain.bench.models import GPT, GPTConfig
-from ssdtrain.hooks import SaveHooks
+from ssdtrain.engine.hooks import SaveHooks
 
 VARIANTS = ("recompute", "tier", "tier_torch", "tier_si")
 

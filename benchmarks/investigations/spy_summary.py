@@ -5,8 +5,8 @@ sends back); this reduces it where it was taken: each thread's samples, the fram
 samples end (its own time, asleep included with ``--idle``) and the frames on its stacks
 (inclusive), each frame as ``function file:line`` (or the library, for native frames).
 
-    py-spy record --threads --idle -r 250 -f raw -o spy.txt -- python benchmarks/tier_host_cost.py ...
-    python benchmarks/spy_summary.py spy.txt [--threads 4] [--top 40] > spy-summary.txt
+    py-spy record --threads --idle -r 250 -f raw -o spy.txt -- python benchmarks/investigations/tier_host_cost.py ...
+    python benchmarks/investigations/spy_summary.py spy.txt [--threads 4] [--top 40] > spy-summary.txt
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ssdtrain import device
+from ssdtrain.engine import device
 from ssdtrain.config import OffloadConfig
 
 __all__ = ["as_is", "alias", "no_offload"]
@@ -54,6 +54,29 @@ def untraced(hook: Any) -> Any:
     if wrapped is None:
         wrapped = _UNTRACED[fn] = torch.compiler.disable(fn)
     return types.MethodType(wrapped, hook.__self__)
+
+
+class PackHook(partial):
+    """The pack hook as it is pushed: ``func`` (the offloader's pack, called at C speed), with
+    the offloader as ``__self__`` (``Scopes.opened_by``), and ``probe()`` run when torch asks it
+    whether it is checkpoint's own hook (Note [SAC without the switch is told] in ``sac.py``)."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_checkpoint_internal":
+            probe = self.__dict__.get("probe")
+            if probe is not None:
+                probe()
+        raise AttributeError(name)
+
+
+def pack_hook(pack: Any, owner: Any, probe: Any) -> Any:
+    """``pack`` (as :func:`untraced` gives it), wrapped in a :class:`PackHook` where ``probe``."""
+    if probe is None:
+        return pack
+    hook = PackHook(pack)
+    hook.__self__ = owner
+    hook.probe = probe
+    return hook
 
 
 def enter_hooks(pack: Any, unpack: Any, active: list, scope: Any) -> None:

@@ -17,7 +17,7 @@ Prints, per way: the loop's microseconds per launch, its extra over ``alone`` pe
 and the copy thread's microseconds per copy. On the CPU (``--device cpu``) only ``alone`` and
 ``torch`` run (``copy_`` between host tensors), a smoke run of the harness.
 
-    python benchmarks/copy_issue_cost.py --device cuda [--copies 400] [--mib 8] [--rounds 3] [--json FILE]
+    python benchmarks/investigations/copy_issue_cost.py --device cuda [--copies 400] [--mib 8] [--rounds 3] [--json FILE]
 """
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ def _tiny_transformer_cls():
 def __getattr__(name: str) -> Any:
     if name == "TinyTransformer":  # built on first use: importing this module imports no torch
         return _tiny_transformer_cls()
-    raise AttributeError(f"module 'ssdtrain.selftest' has no attribute {name!r}")
+    raise AttributeError(f"module 'ssdtrain.tools.selftest' has no attribute {name!r}")
 
 
 def exact_gradients(backend: str, path: str, *, device: str = "cpu", dtype: str = "float32", steps: int = 2,
@@ -337,7 +337,7 @@ def run(path: str, *, report: Callable[[Check], None] = lambda c: None, overlap_
             if backend == "memory":
                 continue  # no drive: nothing of the drive's I/O path to measure
             add(_timed(f"overlap[{label}]", lambda b=backend, s=setup: _overlap(b, work, s, overlap_seconds)))
-        from ssdtrain import device
+        from ssdtrain.engine import device
 
         add(Check("streams", "PASS", f"I/O side streams: {device.stream_source()}"))
     finally:

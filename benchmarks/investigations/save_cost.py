@@ -3,7 +3,7 @@ matmuls and tanh (compute is negligible), under no hooks, under the offloader ke
 save (as a Small: Note [a small save skips the cache]; and through entries, as before that
 Note), and writing every save to host memory.
 
-    python benchmarks/save_cost.py [--ops 300] [--rounds 15]
+    python benchmarks/investigations/save_cost.py [--ops 300] [--rounds 15]
 
 Prints the median step time of each mode and the extra time per save against no hooks.
 """

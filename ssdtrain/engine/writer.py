@@ -17,8 +17,8 @@ from collections.abc import Iterable
 from functools import partial
 from typing import Any
 
-from ssdtrain import device
-from ssdtrain.cache import Cache, Entry, State
+from ssdtrain.engine import device
+from ssdtrain.engine.cache import Cache, Entry, State
 from ssdtrain.store import Backend, on_drive
 from ssdtrain.store._mem import profiled
 
@@ -52,15 +52,15 @@ class WriteQueue:
             busy, few enough that the rest stays queued, cancellable when backward wants it
             first (adaptive keep), and not in the way of reads.
         verify: checksum each write.
-        budget: the :class:`~ssdtrain.schedule.WriteBudget`, told the bytes each step wrote.
+        budget: the :class:`~ssdtrain.engine.schedule.WriteBudget`, told the bytes each step wrote.
         failures: where a failed write's error goes (:class:`WriteFailures`).
-        endurance: the :class:`~ssdtrain.endurance.EnduranceMonitor` counting bytes per drive, if any.
-        meter: the :class:`~ssdtrain.peak.DriveMeter` told when drive writes start and finish
+        endurance: the :class:`~ssdtrain.tools.endurance.EnduranceMonitor` counting bytes per drive, if any.
+        meter: the :class:`~ssdtrain.engine.peak.DriveMeter` told when drive writes start and finish
             (the host tier's are not the drive's), with ``clock``'s times.
         gate: ``gate(scope, nbytes, now)``, whether a queued drive write may start now
-            (:meth:`ssdtrain.peak.PeakClock.may_start`); one it refuses stays in memory.
+            (:meth:`ssdtrain.engine.peak.PeakClock.may_start`); one it refuses stays in memory.
         due: ``due(nbytes)``, the forward position at which a host-tier copy handed over now is
-            due (:meth:`ssdtrain.copy_clock.CopyClock.schedule`; Note [a copy is due from its
+            due (:meth:`ssdtrain.host.copy_clock.CopyClock.schedule`; Note [a copy is due from its
             hand-over]); set on its extent as it is handed over.
     """
 

@@ -2,7 +2,7 @@
 
 One :class:`Entry` per live storage region saved for backward (saving it again, or a view of
 it, adds a :class:`Ref`, not an entry); the entry moves through the states below while the
-engine (``ssdtrain/offloader.py``) writes, frees, forwards and reloads it. Nothing here does I/O.
+engine (``ssdtrain/engine/offloader.py``) writes, frees, forwards and reloads it. Nothing here does I/O.
 
 States::
 
@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ssdtrain.small import Small, SmallSaves
-from ssdtrain.views import SPAN_ALIGN, byte_span, byte_view, entry_span, modified, rebuild  # noqa: F401
+from ssdtrain.engine.small import Small, SmallSaves
+from ssdtrain.engine.views import SPAN_ALIGN, byte_span, byte_view, entry_span, modified, rebuild  # noqa: F401
 
 __all__ = ["State", "Entry", "Ref", "Parts", "Small", "SmallSaves", "StorageIndex", "Cache", "byte_span", "entry_span",
            "rebuild", "byte_view"]
@@ -252,7 +252,7 @@ class Cache:
     Every state change of an entry is a method here, so that ``resident`` (saved bytes the
     offloader holds in memory: the storages not yet released, and the buffers read back) and
     ``disk_bytes`` (extents reserved) always agree with the entries. The engine calls these under
-    its lock; ``counters`` is its :class:`~ssdtrain.stats.Counters`.
+    its lock; ``counters`` is its :class:`~ssdtrain.engine.stats.Counters`.
     """
 
     def __init__(self, counters: Any, free_extent: Any) -> None:

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ssdtrain import keep
-from ssdtrain.views import modified
+from ssdtrain.engine import keep
+from ssdtrain.engine.views import modified
 
 __all__ = ["Small", "SmallSaves"]
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from ssdtrain.plan_drive import _fits
-from ssdtrain.plan_model import _stage_memory, _usable_bytes, evaluate
+from ssdtrain.planner.plan_drive import _fits
+from ssdtrain.planner.plan_model import _stage_memory, _usable_bytes, evaluate
 
 __all__ = ["LONGEST_MODES", "longest", "format_longest"]
 

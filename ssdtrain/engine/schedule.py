@@ -1,6 +1,6 @@
 """When to keep, and what to read ahead: micro-batch scopes, the read-ahead window, the write budget.
 
-Plain objects over :class:`~ssdtrain.cache.Entry` objects, with no threads and no I/O: the engine
+Plain objects over :class:`~ssdtrain.engine.cache.Entry` objects, with no threads and no I/O: the engine
 calls them under its lock, feeds them the times and byte counts it measured, and performs
 whatever I/O they decide. Their tests drive them with made-up clocks and numbers.
 """
@@ -14,8 +14,8 @@ from typing import Any
 
 from torch import nn
 
-from ssdtrain.cache import Entry, State
-from ssdtrain.plan_model import _fmt_bytes
+from ssdtrain.engine.cache import Entry, State
+from ssdtrain.planner.plan_model import _fmt_bytes
 
 __all__ = ["Scope", "Scopes", "KeepPolicy", "ReadWindow", "Tally", "WriteBudget", "find_blocks"]
 

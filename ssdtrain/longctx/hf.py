@@ -1,0 +1,281 @@
+"""One call that sets a Hugging Face decoder (Llama, Mistral, Qwen2, Qwen3) up for long context.
+
+::
+
+    from ssdtrain.longctx.hf import long_context
+
+    model = AutoModelForCausalLM.from_pretrained(name, torch_dtype=torch.bfloat16)
+    lc = long_context(model, tile_tokens=4096, loss_chunk=4096)    # before PEFT or after it
+    off = ssdtrain.Offloader(model, path="/nvme0/act", min_bytes=0)
+    with off:
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    lc.undo()                                                      # when done, if ever
+
+or ``Trainer(..., callbacks=[OffloadCallback(path=..., min_bytes=0)])`` after ``long_context``;
+or ``long_context(model, offloader=off)``: then every training forward of ``model`` runs inside
+``with off:`` by itself (a forward hook, as the Trainer callback's).
+
+What it does, without touching the model's code:
+
+- **Activation checkpointing per decoder layer** (non-reentrant), as
+  ``model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant":
+  False})`` would (left as it is if already on). The offloader takes each layer's input.
+- **Each decoder layer's MLP tiled** along the sequence (:func:`ssdtrain.longctx.tiled.tile_in_place`):
+  in the layer recomputed in backward, the SwiGLU intermediates (3 x 3.5 x hidden per token)
+  exist for ``tile_tokens`` positions at a time. The modules stay where they are: parameter
+  names, state dicts and PEFT's targets are unchanged.
+- **The loss in chunks** (:func:`chunked_lm_loss`): in training forwards given ``labels`` the
+  model's forward computes the LM head and cross entropy ``loss_chunk`` tokens at a time, each
+  chunk under a non-reentrant checkpoint, so no more than one chunk's logits (chunk x vocab, in
+  float32) ever exist. It returns ``logits=None`` then; evaluation, generation and forwards
+  without labels run the model's own forward. (The loss itself is the model's
+  ``ForCausalLMLoss``: labels shifted by one, ``-100`` ignored, the mean over the counted
+  tokens or the sum over ``num_items_in_batch``.)
+
+Exactness, float32 on the CPU (``tests/test_longctx_hf.py``): with an offloader the gradients
+equal (``torch.equal``) those of the same switched model without one. Against the plain model,
+every gradient is equal but those of the MLP weights and the LM head (and of the embedding when
+the head is tied to it): a weight's gradient is a sum over tokens, which the tiles and chunks
+split into partial sums (about 1e-7 relative); the loss differs by the order of its sum.
+
+Limits: attention still runs over the whole sequence at once (with SDPA its saves are the layer's
+q, k, v and output: about 4 x hidden per token in the recomputed layer); under checkpointing the
+tiled MLP runs forward three times (forward, the layer's recomputation, its own backward), as
+DeepSpeed ALST's does; the families whose causal-LM forward changes the logits after the head
+(Gemma's soft-capping, Granite's scaling, Cohere's logit scale) and MoE MLPs are refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ssdtrain.longctx.tiled import tile_bounds, tile_in_place
+
+__all__ = ["LongContext", "SUPPORTED_MODEL_TYPES", "chunked_lm_loss", "long_context"]
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+"""``config.model_type`` of the families whose causal-LM forward is ``lm_head`` then
+``ForCausalLMLoss`` and whose decoder layers have a position-wise ``mlp``."""
+
+_MARK = "_ssdtrain_long_context"
+
+
+def _chunk_loss(head: nn.Module, h: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    return F.cross_entropy(head(h).float(), target, ignore_index=ignore_index, reduction="sum")
+
+
+def chunked_lm_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor | None, *, chunk: int,
+                    num_items_in_batch: Any = None, ignore_index: int = -100,
+                    shift_labels: torch.Tensor | None = None) -> torch.Tensor:
+    """Hugging Face's causal-LM loss of ``head(hidden)``, ``chunk`` tokens at a time.
+
+    Each chunk's logits are made (in float32) and reduced to a summed cross entropy under a
+    non-reentrant checkpoint: forward saves only ``hidden`` (a view per chunk), backward makes one
+    chunk's logits again at a time. ``labels`` (batch, seq) are shifted by one as
+    ``ForCausalLMLoss`` does (or ``shift_labels`` given as they are); the result is the mean over
+    the tokens not equal to ``ignore_index``, or the sum over ``num_items_in_batch`` if given.
+    """
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+    if shift_labels is None:
+        if labels is None:
+            raise ValueError("labels or shift_labels are needed")
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    h = hidden.reshape(-1, hidden.shape[-1])
+    target = shift_labels.reshape(-1).to(h.device)
+    if target.shape[0] != h.shape[0]:
+        raise ValueError(f"{target.shape[0]} labels for {h.shape[0]} hidden states")
+    total = None
+    for a, b in tile_bounds(h.shape[0], tile_tokens=chunk):
+        part = checkpoint(_chunk_loss, head, h[a:b], target[a:b], ignore_index, use_reentrant=False)
+        total = part if total is None else total + part
+    if num_items_in_batch is None:
+        return total / (target != ignore_index).sum()
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
+class LongContext:
+    """What :func:`long_context` did to a model; :meth:`undo` undoes it (also on leaving ``with``)."""
+
+    def __init__(self, model: nn.Module, lm: nn.Module) -> None:
+        self.model = model
+        """The model given (a PeftModel, or the causal LM itself)."""
+        self.causal_lm = lm
+        """The ``*ForCausalLM`` module whose layers and forward were changed."""
+        self.tiled_mlps = 0
+        """How many MLPs are tiled."""
+        self.checkpointing_enabled = False
+        """Whether this call turned activation checkpointing on (it is turned off by undo)."""
+        self.chunked_loss = False
+        """Whether the forward computes the loss in chunks."""
+        self._undo: list[Any] = []
+
+    def undo(self) -> None:
+        """Restores the model as it was (idempotent)."""
+        while self._undo:
+            self._undo.pop()()
+        self.tiled_mlps, self.checkpointing_enabled, self.chunked_loss = 0, False, False
+        self.causal_lm.__dict__.pop(_MARK, None)
+
+    def __enter__(self) -> LongContext:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.undo()
+
+    def __repr__(self) -> str:
+        return (f"LongContext({type(self.causal_lm).__name__}: tiled_mlps={self.tiled_mlps}, "
+                f"checkpointing_enabled={self.checkpointing_enabled}, chunked_loss={self.chunked_loss})")
+
+
+def long_context(model: nn.Module, *, tile_tokens: int | None = None, loss_chunk: int = 4096,
+                 checkpointing: bool = True, offloader: Any = None) -> LongContext:
+    """Sets a Llama / Mistral / Qwen2 / Qwen3 causal LM up for long sequences (module docstring).
+
+    Args:
+        model: a ``transformers`` ``*ForCausalLM`` of those families, or a PEFT model around one.
+        tile_tokens: sequence positions per MLP tile; ``None``: the hidden size; ``0``: MLPs left
+            as they are.
+        loss_chunk: tokens per chunk of the loss; ``0``: the model's own loss.
+        checkpointing: turn per-layer activation checkpointing on (non-reentrant) if it is off.
+        offloader: an :class:`ssdtrain.Offloader` (or ``ssdtrain.offload(...)``'s result) that
+            every training forward of ``model`` then runs inside, as with ``with off:``; ``None``:
+            your own ``with off:`` or the Trainer callback does it.
+
+    Returns:
+        A :class:`LongContext`; its ``undo()`` restores the model.
+
+    Raises:
+        ValueError: another model family, or the model already switched.
+    """
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    _check(lm)
+    if tile_tokens is not None and tile_tokens != 0:
+        tile_bounds(1, tile_tokens=tile_tokens)  # checks it
+    if isinstance(loss_chunk, bool) or not isinstance(loss_chunk, int) or loss_chunk < 0:
+        raise ValueError(f"loss_chunk must be an int >= 0 (0: the model's own loss), got {loss_chunk!r}")
+    done = LongContext(model, lm)
+    try:
+        if checkpointing:
+            _enable_checkpointing(lm, done)
+        if tile_tokens != 0:
+            for layer in lm.model.layers:
+                done._undo.append(tile_in_place(layer.mlp, tile_tokens=tile_tokens))
+                done.tiled_mlps += 1
+        if loss_chunk:
+            done._undo.append(_chunk_the_loss(lm, loss_chunk))
+            done.chunked_loss = True
+        if offloader is not None:
+            from ssdtrain.integrations.transformers import _ForwardOffload
+
+            hooks = _ForwardOffload(model, offloader)
+            done._undo.append(hooks.remove)
+    except BaseException:
+        done.undo()
+        raise
+    setattr(lm, _MARK, done)
+    return done
+
+
+def _check(lm: nn.Module) -> None:
+    config = getattr(lm, "config", None)
+    kind = getattr(config, "model_type", None)
+    if kind not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"long_context supports the causal LMs of {', '.join(SUPPORTED_MODEL_TYPES)} (config.model_type), "
+            f"not {type(lm).__name__} ({kind!r}): its forward may change the logits after the head, or its "
+            "MLP may not be position-wise")
+    if not (isinstance(getattr(lm, "lm_head", None), nn.Module) and hasattr(getattr(lm, "model", None), "layers")):
+        raise ValueError(f"{type(lm).__name__} has no lm_head and model.layers: not a *ForCausalLM")
+    if lm.__dict__.get(_MARK) is not None:
+        raise ValueError(f"{type(lm).__name__} is already switched by long_context; undo() it first")
+    try:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+    except ImportError:  # older transformers: no loss registry to differ from
+        return
+    if getattr(lm, "loss_function", ForCausalLMLoss) is not ForCausalLMLoss:
+        raise ValueError("the model's loss_function is not ForCausalLMLoss, the loss long_context computes")
+
+
+def _checkpointing_on(lm: nn.Module) -> bool:
+    return any(getattr(m, "gradient_checkpointing", False) for m in lm.modules())
+
+
+def _enable_checkpointing(lm: nn.Module, done: LongContext) -> None:
+    if _checkpointing_on(lm):
+        return
+    had_hooks = bool(getattr(lm, "_require_grads_hooks", None) or getattr(lm, "_require_grads_hook", None))
+    if hasattr(lm, "activation_checkpointing_enable"):  # transformers 5
+        lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        disable = lm.activation_checkpointing_disable
+    else:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        disable = lm.gradient_checkpointing_disable
+    added_hooks = not had_hooks and bool(getattr(lm, "_require_grads_hooks", None)
+                                         or getattr(lm, "_require_grads_hook", None))
+    done.checkpointing_enabled = True
+
+    def undo() -> None:
+        disable()
+        if added_hooks:
+            lm.disable_input_require_grads()
+
+    done._undo.append(undo)
+
+
+def _chunk_the_loss(lm: nn.Module, chunk: int) -> Any:
+    """Replaces ``lm.forward`` (an instance attribute) with one computing the loss in chunks."""
+    had_own = "forward" in lm.__dict__
+    original = lm.forward
+    sig = inspect.signature(original)
+    var_kw = next((p.name for p in sig.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+    to_base = [name for name, p in sig.parameters.items()
+               if p.kind is not inspect.Parameter.VAR_KEYWORD and name not in ("labels", "logits_to_keep")]
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not (lm.training and torch.is_grad_enabled()):
+            return original(*args, **kwargs)
+        return_dict = kwargs.get("return_dict")
+        try:
+            bound = sig.bind(*args, **{k: v for k, v in kwargs.items() if k != "return_dict"})
+        except TypeError:
+            return original(*args, **kwargs)  # let the model's forward say what is wrong
+        given = bound.arguments
+        keep = given.get("logits_to_keep", 0)
+        if given.get("labels") is None or not (isinstance(keep, int) and keep == 0):
+            return original(*args, **kwargs)
+        extra = dict(given.get(var_kw, {})) if var_kw else {}
+        out = lm.model(**{name: given[name] for name in to_base if name in given}, **extra)
+        loss = chunked_lm_loss(lm.lm_head, out.last_hidden_state, given["labels"], chunk=chunk,
+                               num_items_in_batch=extra.get("num_items_in_batch"),
+                               ignore_index=extra.get("ignore_index", -100),
+                               shift_labels=extra.get("shift_labels"))
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        result = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=out.past_key_values,
+                                        hidden_states=out.hidden_states, attentions=out.attentions)
+        if return_dict is None:
+            return_dict = getattr(lm.config, "return_dict", True)
+        return result if return_dict is not False else result.to_tuple()
+
+    lm.forward = forward
+
+    def undo() -> None:
+        if lm.__dict__.get("forward") is forward:
+            if had_own:
+                lm.forward = original
+            else:
+                del lm.forward
+
+    return undo

@@ -1,0 +1,1 @@
+"""The planner: ``ssdtrain plan``, a run sized before it starts (memory, drive, longest sequence)."""

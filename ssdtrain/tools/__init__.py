@@ -1,0 +1,1 @@
+"""The tools: ``ssdtrain probe`` and ``ssdtrain selftest``, and the drive-endurance monitor."""
