@@ -164,6 +164,9 @@ def test_torch_compile(tmp_path, deterministic):
             else:
                 with off:
                     loss = compiled(x)
+                    # The compiled graph is one autograd op: its saves are written once it returned,
+                    # at the next op's save or here (Note [a save is copied only after its op returned]).
+                    off.wait()
             loss.backward()
             opt.step()
             opt.zero_grad()

@@ -189,23 +189,21 @@ def test_bracket_under_torch_compile(tmp_path):
         compiled = torch.compile(m, backend="aot_eager")
         for _ in range(2):
             loss = compiled(x).square().sum()
-            if offload:
-                off.wait()  # the writes land before backward, however slow this machine is today
             loss.backward()
-        written = 0
+        saved = 0
         if offload:
             bracket.remove()
-            written = off.stats().written_bytes
+            saved = off.stats().saved_bytes  # one compiled op's saves: kept for backward (as in test_trainer_torch_compile)
             off.close()
-        return [p.grad for p in m.parameters()], written
+        return [p.grad for p in m.parameters()], saved
 
     want, _ = grads(False)
     # Compiled code traced without hooks would be reused for the hooked model (torch does not
     # guard on hooks); the callback warns when that happens (test_warns_when_no_forward_...).
     torch._dynamo.reset()
-    got, written = grads(True)
+    got, saved = grads(True)
     torch._dynamo.reset()
-    assert written > 0
+    assert saved > 0
     assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
@@ -349,7 +347,10 @@ def test_trainer_torch_compile(llama, tmp_path):
     got = _train(copy.deepcopy(llama), tmp_path / "off", [cb], **args)
     torch._dynamo.reset()
     _assert_equal(got, want)
-    assert cb.stats().written_bytes > 0
+    # The compiled model is one autograd op saving as forward ends: its saves reach the offloader
+    # and are kept for backward, which needs them first (Note [a save is copied only after its op
+    # returned]); offloading a compiled model is a per-block compile's (tests/test_recipes.py).
+    assert cb.stats().saved_bytes > 0
 
 
 def test_warns_when_no_forward_reaches_the_offloader(llama, tmp_path):

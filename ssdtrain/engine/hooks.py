@@ -11,7 +11,6 @@ clocks, one lock) is made and owned by the Offloader, which also holds the publi
 from __future__ import annotations
 
 import copy
-import sys
 import time
 from typing import Any
 
@@ -33,21 +32,9 @@ _now = time.perf_counter  # a seam for tests (the Offloader reads the time throu
 # sequence number names the op that saves. A torch without it (none since 2.4 is known to lack
 # it) gets one token for every save: a save is then written only between ops (``wait()``, the end
 # of forward), never while an op may still fill it. A custom ``autograd.Function`` (a compiled
-# graph is one) packs what it saved once its forward has returned: its saves have no op to wait
-# for (``None``), found as ``Function.apply`` among the few frames above pack.
-_seq_now = getattr(torch.autograd, "_get_sequence_nr", None) or (lambda: 0)
-_APPLY = torch.autograd.Function.apply.__func__.__code__
-
-
-def _op_now() -> Any:
-    frame = sys._getframe(3)  # above _op_now, _pack_entry and _pack: a wrapper of pack, or the op's caller
-    for _ in range(3):
-        if frame is None:
-            break
-        if frame.f_code is _APPLY:
-            return None
-        frame = frame.f_back
-    return _seq_now()
+# graph is one) saves as it returns: its saves go at the next op's, like any op's (``Function.apply``
+# is C code from torch 2.14 on, with no frame to tell it by).
+_op_now = getattr(torch.autograd, "_get_sequence_nr", None) or (lambda: 0)
 
 
 class SaveHooks:

@@ -4,6 +4,8 @@ Analytic and pure Python (no torch import), so it answers in milliseconds::
 
     ssdtrain plan --layers 80 --hidden 8192 --heads 64 --seq 8192 --vocab 128256 \\
         --gpus 64 --gpu-mem-gib 80 --global-batch 1024
+    ssdtrain plan --model llama-3.1-8b --seq 131072 --gpus 1 --gpu-mem-gib 80 --global-batch 1 \\
+        --trainable-fraction 0.01 --loss-chunk 4096 --host-gib 2048
 
 The model behind the numbers, stated once (each is also in the JSON under ``assumptions``):
 
@@ -17,9 +19,21 @@ The model behind the numbers, stated once (each is also in the JSON under ``assu
   ``sbh(16d + 2·dropout) + as²b(d + dropout·(1 + d))`` for naive attention, and the same without
   the s² term for flash attention (its saved output is the projection's input, its log-sum-exp is
   O(as) and ignored). With d=2 and dropout this is exactly the published formula.
+* **Llama blocks** (``--arch llama``, or ``--model llama-3.1-8b``): RMSNorm, RoPE, grouped-query
+  attention (``--kv-heads``; k and v ``kv = hidden x kv_heads / heads`` wide), a SwiGLU MLP of
+  ``--ffn-hidden``, no dropout, an untied head. A block saves, per token, ``d(6h + 2kv + 4f) + 4a + 8``
+  bytes (``plan_model.llama_activation_bytes_per_layer``: its input and normed copy, q, k, v, the
+  attention output, the MLP's input and normed copy, gate, ``silu(gate)``, up, their product; RMSNorm's
+  fp32 rstd and flash attention's log-sum-exp): 168,072 bytes for Llama-3.1-8B in bf16 (h 4096,
+  kv 1024, f 14336, a 32); without flash attention ``d·a·s`` more. Its parameters: ``2h² + 2h·kv +
+  3hf + 2h``. Forward FLOPs: ``2sh(2h + 2kv + 3f)`` and causal attention ``2s²h`` (half the square).
 * **Model states**: 16 bytes per parameter (bf16/fp16 weight and gradient, fp32 master weight and
   two Adam moments; fp32 training also comes to 16), no ZeRO sharding, divided over pipeline
   stages by layers (the first stage also holds the embeddings, the last the tied head's logits).
+  ``--trainable-fraction``: only that share has gradients and optimizer state; ``--optimizer``:
+  ``adamw`` 12 bytes of state per trained parameter (16 in all), ``adamw8bit`` 6 (fp32 master, two
+  1-byte moments: 10 in all), ``offloaded`` none on the GPU (4 in all; 12 in host memory);
+  ``--zero`` shards them over the data-parallel ranks.
 * **Memory per GPU**: the first pipeline stage under 1F1B holds the activations of ``min(m, p)``
   micro-batches for its layers; the last stage holds one micro-batch plus the fp32 log-softmax
   of the logits (4·sbV). We report the larger. ``recompute`` keeps only each layer's input
@@ -40,6 +54,22 @@ The model behind the numbers, stated once (each is also in the JSON under ``assu
   to proceed concurrently. When the drive is slower, the slot stretches to the write time and
   the difference is reported as stall (a strict memory bound: ``when_full="wait"``).
   Drive-writes per day = bytes written per GPU per day / the drive capacity per GPU.
+* **Recompute's working set** (``plan_model.block_working_bytes``): the block backward recomputes.
+  ``gpt``: one layer's activations (above). ``llama``: the larger of its MLP's moment (the block's
+  saves, the residual's and the MLP input's gradients ``2dh``, the SwiGLU's gradients ``3df`` a
+  token) and its attention's (the attention half's saves, the gradients of the residual, attention
+  output, q, k, v ``d(3h + 2kv)``, FlashAttention-2's fp32 dq accumulator ``4h``). The head's saves
+  and one loss chunk's logits come on top (``gpt``), or are freed before the blocks' backward and
+  so count as their own moment (``llama``).
+* **Long context** (``long_context`` in the JSON; :mod:`ssdtrain.planner.plan_longctx`): each
+  mode's longest sequence per GPU: baseline, recompute, ``recompute+tiled`` (the MLP a tile of
+  ``--tile-tokens`` positions at a time: its SwiGLU tensors for one tile only), ``recompute+offload``
+  and ``recompute+offload+tiled`` (every block input off the GPU but 2: the recomputed block's and
+  one in flight; ``L x s x h x d`` bytes, 256 KiB a token for Llama-3.1-8B, to the host share
+  ``--host-gib``, or ``--node-host-gib`` over ``--gpus-per-node``, and the rest to the drives), with
+  the host memory and drive space that needs and the drive rate at which the spill is free:
+  ``spilled / min(T_forward, T_backward)`` (``T`` from the FLOPs at ``--tflops``; backward twice
+  forward plus what it recomputes).
 * **Drive-limited** (``drive_limited`` in the JSON; :mod:`ssdtrain.planner.plan_drive`): what the
   offloader's default policy (never wait on the drive) offloads at no cost, with and without
   checkpointing, save by save: about ``min(B_write T_forward, B_read T_backward)`` per
@@ -56,6 +86,7 @@ import sys
 from dataclasses import asdict
 
 from ssdtrain.planner.plan_drive import add_arguments, drive_limited, format_drive, input_fields
+from ssdtrain.planner.plan_longctx import format_long_context, long_context
 from ssdtrain.planner.plan_longest import format_longest, longest
 # Re-exported: the model's names are also this module's (tests and callers use ``plan.Inputs``...).
 from ssdtrain.planner.plan_model import (BYTES_PER_PARAM, DTYPE_BYTES, MODES, OFFLOAD_RESIDENT_LAYERS,  # noqa: F401
@@ -63,8 +94,14 @@ from ssdtrain.planner.plan_model import (BYTES_PER_PARAM, DTYPE_BYTES, MODES, OF
                                  activation_bytes_per_layer, best_config, evaluate, head_activation_bytes,
                                  max_micro_batch)
 
-__all__ = ["MODES", "Config", "Inputs", "activation_bytes_per_layer", "best_config", "evaluate", "format_plan",
+__all__ = ["MODELS", "MODES", "Config", "Inputs", "activation_bytes_per_layer", "best_config", "evaluate", "format_plan",
            "head_activation_bytes", "main", "max_micro_batch", "plan"]
+
+MODELS = {
+    # --model presets (the flags they stand for; a flag given as well wins): the configs on the Hub.
+    "llama-3.1-8b": dict(arch="llama", layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, vocab=128256),
+    "llama-3.1-70b": dict(arch="llama", layers=80, hidden=8192, heads=64, kv_heads=8, ffn_hidden=28672, vocab=128256),
+}
 
 
 def plan(inp: Inputs) -> dict:
@@ -87,12 +124,7 @@ def plan(inp: Inputs) -> dict:
     return {
         "inputs": asdict(inp),
         "activation_bytes_per_layer": inp.act_layer(1),
-        "activation_formula": (
-            f"sbh({16 * inp.dtype_bytes + 2 * inp.dropout}"
-            + ("" if inp.flash else f" + {inp.dtype_bytes + (1 + inp.dtype_bytes) * inp.dropout}as/h")
-            + f") bytes, {inp.dtype}, {'flash' if inp.flash else 'naive'} attention, "
-            + f"dropout {'on' if inp.dropout else 'off'}"
-        ),
+        "activation_formula": _formula(inp),
         "max_micro_batch": max_mb,
         "best": {mode: (asdict(c) if c else None) for mode, c in best.items()},
         "required_write_gbps": required,
@@ -100,8 +132,10 @@ def plan(inp: Inputs) -> dict:
         "full_offload": asdict(full) if full else None,
         "drive_limited": drive_limited(inp),
         "longest_seq": longest(inp),
+        "long_context": long_context(inp),
         "assumptions": {
             "bytes_per_param": BYTES_PER_PARAM,
+            "optimizer_bytes_per_trained_param": {"gpu": inp.optimizer_gpu_bytes, "host": inp.optimizer_host_bytes},
             "reserved_fraction": RESERVE_FRACTION,
             "offload_resident_layers": OFFLOAD_RESIDENT_LAYERS,
             "schedule": "1F1B, bubble (p-1)/(m+p-1); no tensor parallelism, no ZeRO",
@@ -110,12 +144,26 @@ def plan(inp: Inputs) -> dict:
     }
 
 
+def _formula(inp: Inputs) -> str:
+    attention = f"{'flash' if inp.flash else 'naive'} attention"
+    if inp.arch == "llama":
+        d, h, kv, f = inp.dtype_bytes, inp.hidden, inp.kv_dim, inp.ffn_hidden
+        return (f"s({d}(6h + 2kv + 4f) + 4a + 8) = s x {d * (6 * h + 2 * kv + 4 * f) + 4 * inp.heads + 8}"
+                + ("" if inp.flash else f" + {d}as²") + f" bytes, {inp.dtype}, {attention}, Llama block "
+                f"(kv {kv}, f {f}), no dropout")
+    return (f"sbh({16 * inp.dtype_bytes + 2 * inp.dropout}"
+            + ("" if inp.flash else f" + {inp.dtype_bytes + (1 + inp.dtype_bytes) * inp.dropout}as/h")
+            + f") bytes, {inp.dtype}, {attention}, dropout {'on' if inp.dropout else 'off'}")
+
+
 def format_plan(result: dict) -> str:
     """Human-readable report of :func:`plan`'s result."""
     inp = result["inputs"]
+    arch = "" if inp.get("arch", "gpt") == "gpt" else (
+        f" (llama: {inp['kv_heads']} KV heads, SwiGLU {inp['ffn_hidden']}, RMSNorm, RoPE)")
     lines = [
         f"model: {inp['layers']} layers, hidden {inp['hidden']}, {inp['heads']} heads, "
-        f"seq {inp['seq']}, vocab {inp['vocab']}, {inp['dtype']}",
+        f"seq {inp['seq']}, vocab {inp['vocab']}, {inp['dtype']}{arch}",
         f"cluster: {inp['gpus']} GPUs x {inp['gpu_mem_gib']:g} GiB, {inp['tflops']:g} TFLOPS achieved, "
         f"{inp['drives']} x {inp['drive_gbps']:g} GB/s drive(s) per GPU; global batch {inp['global_batch']}",
         f"activations per layer per sequence: {_fmt_bytes(result['activation_bytes_per_layer'])}"
@@ -137,6 +185,8 @@ def format_plan(result: dict) -> str:
         )
     lines.append("")
     drive = [""] + format_drive(result["drive_limited"]) + [""] + format_longest(result["longest_seq"])
+    if "long_context" in result:
+        drive += [""] + format_long_context(result["long_context"], inp)
     if result["required_write_gbps"] is None:
         lines.append("offload: no fitting configuration, no drive figures")
         return "\n".join(lines + drive)
@@ -168,11 +218,23 @@ def _parser() -> argparse.ArgumentParser:
         description="Analytic sizing of micro-batches, pipeline stages and drive bandwidth "
         "for baseline, full recompute and ssdtrain offloading.",
     )
-    ap.add_argument("--layers", type=int, required=True)
-    ap.add_argument("--hidden", type=int, required=True)
-    ap.add_argument("--heads", type=int, required=True)
+    ap.add_argument("--model", choices=sorted(MODELS),
+                    help="a known model's shape: --arch, --layers, --hidden, --heads, --kv-heads, --ffn-hidden, "
+                    "--vocab (each may still be given)")
+    ap.add_argument("--arch", choices=("gpt", "llama"), default=None,
+                    help="gpt (default): Korthikanti's layer, LayerNorm, GELU MLP of 4 x hidden, dropout; llama: "
+                    "RMSNorm, RoPE, grouped-query attention, SwiGLU MLP, no dropout, untied head")
+    ap.add_argument("--layers", type=int)
+    ap.add_argument("--hidden", type=int)
+    ap.add_argument("--heads", type=int)
+    ap.add_argument("--kv-heads", type=int, default=None, help="key/value heads (llama; default --heads)")
+    ap.add_argument("--ffn-hidden", type=int, default=None,
+                    help="the MLP's inner width (llama; default 8 x hidden / 3 rounded up to 256)")
     ap.add_argument("--seq", type=int, required=True)
-    ap.add_argument("--vocab", type=int, required=True)
+    ap.add_argument("--vocab", type=int)
+    ap.add_argument("--tile-tokens", type=int, default=None,
+                    help="positions per MLP tile in the +tiled long-context modes (ssdtrain.longctx; default: "
+                    "the hidden size, as long_context's)")
     ap.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
     ap.add_argument("--no-flash", action="store_true", help="naive attention (saves the s x s scores)")
     ap.add_argument("--no-dropout", action="store_true", help="no dropout masks saved")
@@ -189,9 +251,15 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--trainable-fraction", type=float, default=1.0,
                     help="share of the parameters trained (PEFT, LoRA: about 0.01); frozen ones have no gradient "
                     "or optimizer state (default 1)")
-    ap.add_argument("--optimizer-bytes", type=float, default=None, metavar="B",
-                    help="optimizer state per trained parameter, bytes (default: fp32 master weights and two fp32 "
-                    "AdamW moments, 16 less the weight and its gradient; AdamW in bf16 with no master copy: 4)")
+    opt = ap.add_mutually_exclusive_group()
+    opt.add_argument("--optimizer", choices=("adamw", "adamw8bit", "offloaded"), default="adamw",
+                     help="optimizer state per trained parameter beside its 16-bit weight and gradient: adamw "
+                     "(default) an fp32 master and two fp32 moments, 12 bytes (16 in all); adamw8bit "
+                     "(bitsandbytes) the master and two 1-byte moments, 6 (10 in all); offloaded (the step on the "
+                     "CPU) none on the GPU (4 in all), 12 in host memory")
+    opt.add_argument("--optimizer-bytes", type=float, default=None, metavar="B",
+                     help="optimizer state per trained parameter, bytes (instead of --optimizer; AdamW in bf16 "
+                     "with no master copy: 4)")
     ap.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
                     help="model states sharded over the data-parallel ranks: 1 optimizer states, 2 and gradients, "
                     "3 and weights (FSDP full sharding, ZeRO-3); default 0")
@@ -204,11 +272,21 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    ap = _parser()
+    args = ap.parse_args(argv)
+    shape = dict(MODELS[args.model]) if args.model else {"arch": "gpt"}
+    for name in ("arch", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab"):
+        if getattr(args, name) is not None:
+            shape[name] = getattr(args, name)
+    missing = [f"--{n}" for n in ("layers", "hidden", "heads", "vocab") if n not in shape]
+    if missing:
+        ap.error(f"the following arguments are required (or --model): {', '.join(missing)}")
     try:
         inp = Inputs(
-            layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
-            vocab=args.vocab, gpus=args.gpus, gpu_mem_gib=args.gpu_mem_gib,
+            layers=shape["layers"], hidden=shape["hidden"], heads=shape["heads"], seq=args.seq,
+            vocab=shape["vocab"], arch=shape["arch"], kv_heads=shape.get("kv_heads"),
+            ffn_hidden=shape.get("ffn_hidden"), tile_tokens=args.tile_tokens, optimizer=args.optimizer,
+            gpus=args.gpus, gpu_mem_gib=args.gpu_mem_gib,
             global_batch=args.global_batch, dtype=args.dtype, flash=not args.no_flash,
             dropout=not args.no_dropout, stages=args.stages, tflops=args.tflops,
             drive_gbps=args.drive_gbps, drive_tb=args.drive_tb, trainable_fraction=args.trainable_fraction,

@@ -105,9 +105,24 @@ class Save:
     needed_s: float
 
 
-def _layer_ops(s: int, h: int, a: int, d: int, flash: bool, dropout: bool) -> list[tuple[float, int]]:
-    """One transformer layer's ops in forward order: (forward FLOPs, bytes it saves), per sequence."""
+def _layer_ops(s: int, h: int, a: int, d: int, flash: bool, dropout: bool, *, arch: str = "gpt",
+               kv_heads: int | None = None, ffn_hidden: int | None = None) -> list[tuple[float, int]]:
+    """One transformer layer's ops in forward order: (forward FLOPs, bytes it saves), per sequence.
+
+    ``arch="llama"``: RMSNorm (input, rstd), the q/k/v projections (their input), attention (q, k,
+    v, output, log-sum-exp; the softmax output without flash), the o-projection (its input is the
+    attention's output: nothing more), RMSNorm, gate and up (their input), SiLU (the gate), the
+    product (``silu(gate)`` and up), the down projection (the product): ``plan_model``'s
+    :func:`~ssdtrain.planner.plan_model.llama_activation_bytes_per_layer` and
+    :func:`~ssdtrain.planner.plan_model.layer_forward_flops` op by op."""
     sh = s * h
+    if arch == "llama":
+        kv = h * (kv_heads or a) // a
+        f = ffn_hidden or -(-8 * h // 3 // 256) * 256
+        attn = d * s * (h + 2 * kv) + d * sh + 4 * a * s + (0 if flash else a * s * s * d)
+        return [(0.0, d * sh + 4 * s), (2.0 * sh * (h + 2 * kv), d * sh), (2.0 * s * sh, attn),
+                (2.0 * sh * h, 0), (0.0, d * sh + 4 * s), (4.0 * sh * f, d * sh), (0.0, d * s * f),
+                (0.0, 2 * d * s * f), (2.0 * sh * f, d * s * f)]
     attn_saves = 3 * d * sh
     if not flash:
         attn_saves += a * s * s * (d + ((1 + d) if dropout else 0))
@@ -120,23 +135,33 @@ def _layer_ops(s: int, h: int, a: int, d: int, flash: bool, dropout: bool) -> li
     return ops
 
 
-def forward_flops(*, layers: int, seq: int, hidden: int, vocab: int, micro_batch: int = 1, head: bool = True) -> float:
-    """Forward FLOPs of one micro-batch: ``b(L(24sh^2 + 4s^2h) + 2shV)``, the head's term if ``head``;
+def forward_flops(*, layers: int, seq: int, hidden: int, vocab: int, micro_batch: int = 1, head: bool = True,
+                  arch: str = "gpt", heads: int = 1, kv_heads: int | None = None,
+                  ffn_hidden: int | None = None) -> float:
+    """Forward FLOPs of one micro-batch: ``b(L(24sh^2 + 4s^2h) + 2shV)``, the head's term if ``head``
+    (``arch="llama"``: ``2sh(2h + 2kv + 3f) + 2s^2h`` a layer, ``kv = hidden x kv_heads / heads``);
     divide by measured forward seconds for the compute rate ``--tflops`` wants (x 1e-12)."""
     s, h = seq, hidden
-    return micro_batch * (layers * (24.0 * s * h * h + 4.0 * s * s * h) + (2.0 * s * h * vocab if head else 0.0))
+    if arch == "llama":
+        kv = h * (kv_heads or heads) // heads
+        f = ffn_hidden or -(-8 * h // 3 // 256) * 256
+        layer = 2.0 * s * h * (2 * h + 2 * kv + 3 * f) + 2.0 * s * s * h
+    else:
+        layer = 24.0 * s * h * h + 4.0 * s * s * h
+    return micro_batch * (layers * layer + (2.0 * s * h * vocab if head else 0.0))
 
 
 def saves(*, layers: int, seq: int, hidden: int, heads: int, vocab: int, micro_batch: int,
           dtype_bytes: int, flash: bool, dropout: bool, checkpoint: bool, head: bool,
-          tflops: float, backward_tflops: float) -> tuple[list[Save], float, float]:
+          tflops: float, backward_tflops: float, arch: str = "gpt", kv_heads: int | None = None,
+          ffn_hidden: int | None = None) -> tuple[list[Save], float, float]:
     """The saves of one micro-batch's forward through ``layers`` layers (and the head, if
     ``head``), in pack order, with forward's and backward's seconds (backward includes the
-    recomputation under ``checkpoint``)."""
+    recomputation under ``checkpoint``). ``arch``, ``kv_heads``, ``ffn_hidden``: :func:`_layer_ops`."""
     s, h, b, d = seq, hidden, micro_batch, dtype_bytes
     fwd = b / (tflops * 1e12)           # seconds per forward FLOP of one sequence
     bwd = 2 * b / (backward_tflops * 1e12)  # seconds of backward per forward FLOP
-    ops = _layer_ops(s, h, heads, d, flash, dropout)
+    ops = _layer_ops(s, h, heads, d, flash, dropout, arch=arch, kv_heads=kv_heads, ffn_hidden=ffn_hidden)
     layer_flops = sum(f for f, _ in ops)
     # (bytes, forward seconds of the op that saves it, backward seconds of that op); ``extra``: the
     # seconds backward spends before that op's own backward (recomputing a checkpointed layer).
@@ -347,7 +372,8 @@ def drive_step(inp, mode: str, stages: int, micro_batch: int, *, head: bool | No
         layers=layers, seq=inp.seq, hidden=inp.hidden, heads=inp.heads, vocab=inp.vocab, micro_batch=micro_batch,
         dtype_bytes=inp.dtype_bytes, flash=inp.flash, dropout=inp.dropout, checkpoint=mode != "offload",
         head=stages == 1 if head is None else head, tflops=inp.tflops,
-        backward_tflops=inp.backward_tflops or inp.tflops)
+        backward_tflops=inp.backward_tflops or inp.tflops, arch=inp.arch, kv_heads=inp.kv_heads,
+        ffn_hidden=inp.ffn_hidden)
     return simulate(list_, forward_s=fwd, backward_s=bwd, write_bps=inp.drive_gbps * inp.drives * 1e9,
                     read_bps=inp.read_gbps * inp.drives * 1e9, handoff_bytes=inp.handoff_bytes * inp.drives,
                     min_bytes=inp.min_bytes, pipelined=stages > 1,
@@ -482,9 +508,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--host-gbps", type=float, default=25.0,
                     help="the host tier's copy rate between a GPU and pinned host memory, GB/s each way (default 25: "
                     "PCIe 4.0 x16; an H100's PCIe 5.0 measured 54; `ssdtrain probe` measures it); 0: no host tier")
-    ap.add_argument("--host-gib", type=float, default=64.0,
+    ap.add_argument("--host-gib", type=float, default=None,
                     help="pinned host memory per GPU for the tier (host_bytes; default 64: a quarter of 2 TB among 8 "
                     "GPUs, ssdtrain's default share); 0: no host tier")
+    ap.add_argument("--node-host-gib", type=float, default=None, metavar="GIB",
+                    help="pinned host memory of one node for the tier, all its GPUs together: each GPU's share is "
+                    "this over --gpus-per-node (instead of --host-gib)")
+    ap.add_argument("--gpus-per-node", type=int, default=None,
+                    help="GPUs per node sharing --node-host-gib (default: --gpus, at most 8)")
     ap.add_argument("--min-bytes", type=int, default=1 << 20,
                     help="saves under this many bytes stay in memory (the offloader's min_bytes; default 1 MiB)")
     ap.add_argument("--handoff-mib", type=float, default=64.0,
@@ -494,6 +525,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def input_fields(args: argparse.Namespace) -> dict:
     """:class:`ssdtrain.planner.plan.Inputs` fields from :func:`add_arguments`'s flags."""
+    if args.host_gib is not None and args.node_host_gib is not None:
+        raise ValueError("give --host-gib (per GPU) or --node-host-gib (per node), not both")
     return {"drives": args.drives, "drive_read_gbps": args.drive_read_gbps, "backward_tflops": args.backward_tflops,
             "min_bytes": args.min_bytes, "handoff_bytes": int(args.handoff_mib * MIB), "host_gbps": args.host_gbps,
-            "host_gib": args.host_gib}
+            "host_gib": 64.0 if args.host_gib is None else args.host_gib, "node_host_gib": args.node_host_gib,
+            "gpus_per_node": args.gpus_per_node}
