@@ -1,1 +1,1 @@
-"""Long context on one device: sequence-tiled MLPs (``tiled``) and a one-call switch for Hugging Face decoders (``hf``)."""
+"""Long context on one device: sequence-tiled MLPs (``tiled``), a switch for Hugging Face decoders (``hf``)."""

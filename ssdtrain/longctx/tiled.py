@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 __all__ = ["TiledMLP", "tile_bounds", "tile_in_place", "tiled_mlp"]
 
@@ -247,6 +248,7 @@ class _TiledFunction(torch.autograd.Function):
         return _forward_tiles(fn, x, bounds)
 
     @staticmethod
+    @once_differentiable  # a double backward raises instead of differentiating the tiles' grad calls
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
         (x,) = ctx.saved_tensors
         want_x = ctx.needs_input_grad[3]

@@ -94,8 +94,8 @@ from ssdtrain.planner.plan_model import (BYTES_PER_PARAM, DTYPE_BYTES, MODES, OF
                                  activation_bytes_per_layer, best_config, evaluate, head_activation_bytes,
                                  max_micro_batch)
 
-__all__ = ["MODELS", "MODES", "Config", "Inputs", "activation_bytes_per_layer", "best_config", "evaluate", "format_plan",
-           "head_activation_bytes", "main", "max_micro_batch", "plan"]
+__all__ = ["MODELS", "MODES", "Config", "Inputs", "activation_bytes_per_layer", "best_config", "evaluate",
+           "format_plan", "head_activation_bytes", "main", "max_micro_batch", "plan"]
 
 MODELS = {
     # --model presets (the flags they stand for; a flag given as well wins): the configs on the Hub.

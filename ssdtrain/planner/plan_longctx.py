@@ -36,6 +36,12 @@ Drive figures for the offload modes, at the longest sequence:
   drive writes ``spilled_today_bytes`` between the first of them and forward's end.
 * ``host_link_gbps``: the copy rate to the host each block input needs: one block input per
   block's forward.
+
+Under 1F1B (``--stages``) the GPU holds the block inputs of its micro-batches in flight (host and
+drive bytes count them all; the rates are per micro-batch, each spilling during its own forward).
+Not modelled: LoRA's dropout (``lora_dropout > 0`` saves a dropped copy of each adapted layer's
+input), ZeRO-3's gathered weights, the read-ahead window (``prefetch_bytes``) holding a block's
+input back in backward, and the caching allocator beyond the 10% reserve.
 """
 
 from __future__ import annotations
@@ -125,13 +131,14 @@ def long_context(inp) -> dict:
             nvme = max(0.0, ckpt - share)
             block_input = seq * h * d
             held = min(layers, int(share / inflight // block_input)) if block_input else layers
-            today = (layers - held) * block_input
+            today = (layers - held) * block_input  # one micro-batch's
             window = (layers - held) * t["block_forward_s"] + t["head_forward_s"]
             host_alone = min(seq, int(share // per_token) // _SEQ_STEP * _SEQ_STEP) if share else 0
+            # Rates per micro-batch: each in flight (1F1B) writes its share during its own forward.
             row.update({
                 "host_bytes": min(ckpt, share), "nvme_bytes": nvme,
-                "drive_gbps_free": nvme / min(t["forward_s"], t["backward_s"]) / 1e9,
-                "spilled_today_bytes": today,
+                "drive_gbps_free": nvme / inflight / min(t["forward_s"], t["backward_s"]) / 1e9,
+                "spilled_today_bytes": inflight * today,
                 "drive_gbps_free_today": today / window / 1e9 if today else 0.0,
                 "host_alone_seq": host_alone or None,
                 "host_link_gbps": block_input / t["block_forward_s"] / 1e9,
