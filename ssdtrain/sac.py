@@ -246,11 +246,24 @@ class _OpStorage(dict):
     def __init__(self, packer: _Packer) -> None:
         super().__init__()
         self._packer = packer
+        self._next_in = 0
 
     def __setitem__(self, index: int, value: Any) -> None:
         if self._packer.next is not None or self._packer.kept:
             value = self._packer.pack(value)
         super().__setitem__(index, value)
+
+    # torch 2.11 and older keep a list per op: ``append`` in forward, ``pop(0)`` in the
+    # recomputation, ``len`` to tell a second backward. The same store, in arrival order.
+    def append(self, value: Any) -> None:
+        self[self._next_in] = value
+        self._next_in += 1
+
+    def pop(self, *args: Any) -> Any:
+        if args == (0,):
+            key = min(self)
+            return super().pop(key)
+        return super().pop(*args)
 
 
 class _Offloaded:

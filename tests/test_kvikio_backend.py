@@ -114,7 +114,7 @@ def test_auto_without_a_gpu_is_posix_and_says_so(tmp_path):
     assert backend_choice(OffloadConfig(path=str(tmp_path), backend="memory")) == ("memory", "asked for")
     off = ssdtrain.Offloader(path=str(tmp_path), backend="auto", min_bytes=0)
     try:
-        assert off.backend == "posix" and off.stats().backend.endswith("[auto: no CUDA device]")
+        assert off.backend == "posix" and "[auto: no CUDA device]" in off.stats().backend  # (a CUDA build adds the host tier)
     finally:
         off.close()
 
