@@ -941,3 +941,33 @@ def test_a_tier_copy_is_due_from_its_hand_over(off_dir, tier_on_cpu, monkeypatch
         assert_same(base, step(model, loss_fn, off))
     finally:
         off.close()
+
+
+def test_checkpoints_beyond_host_bytes_spill_to_the_drive_exactly(off_dir, tier_on_cpu, capsys):
+    """recompute+offload whose block inputs are four times ``host_bytes`` (issue 50, item 4): the
+    host tier takes what it holds, the drive the rest; gradients exact over steps; ``stats()`` says
+    how much went where, and what backward waited for."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=256, seq=256, layers=8, hidden=64, heads=4, loss_chunk=64)
+    model = GPT(cfg, recompute=True)
+    tok = torch.randint(0, 256, (4, 256))
+    checkpoints = cfg.layers * 4 * 256 * 64 * 4  # every block's input, fp32
+    base = step(model, lambda: model(tok, tok), None)
+    host = checkpoints // 4
+    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, host_bytes=host)
+    try:
+        for i in range(3):
+            assert_same(base, step(model, lambda: model(tok, tok), off, wait=i % 2 == 0))
+        s = off.stats()
+    finally:
+        off.close()
+    drive = sum(s.written_bytes_by_path.values())
+    assert s.host_tier_peak_bytes <= host and s.host_copied_bytes > 0
+    assert s.spilled_bytes > 0 and drive > 0  # spilled: sent to the drive (some cancelled as backward began)
+    assert s.written_bytes == s.host_copied_bytes + drive
+    assert s.read_bytes > 0 and s.host_read_bytes > 0
+    with capsys.disabled():
+        print(f"\n  checkpoints {checkpoints >> 10} KiB a step, host_bytes {host >> 10} KiB: host tier took "
+              f"{s.host_copied_bytes >> 10} KiB, spilled to the drive {s.spilled_bytes >> 10} KiB over 3 steps; "
+              f"backward waited {s.read_stall_seconds * 1e3:.1f} ms on reads ({s.prefetch_misses} misses, "
+              f"{s.prefetch_hits} hits)")

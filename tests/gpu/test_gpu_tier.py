@@ -243,3 +243,42 @@ def test_a_fresh_offloaders_first_step_lowers_the_peak(tmp_path, sleep):
     assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert s.host_copied_bytes >= 0.5 * SAVED, (s.host_copied_bytes, s.spilled_bytes)
     assert peak <= base_peak - 0.25 * SAVED, (base_peak, peak)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_checkpoints_beyond_host_bytes_spill_to_the_drive_exactly(dtype, tmp_path):
+    """recompute+offload on the bench's GPT whose block inputs are four times ``host_bytes``
+    (issue 50, item 4; its CPU twin is in tests/test_tier.py): exact over three steps, the tier
+    full, the drive taking the rest, and what went where in ``stats()``."""
+    from ssdtrain.bench.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=1024, seq=2048, layers=16, hidden=256, heads=4, loss_chunk=512)
+    model = GPT(cfg, recompute=True).to(CUDA, dtype)
+    tok = torch.randint(0, 1024, (2, 2048), device=CUDA)
+    checkpoints = cfg.layers * 2 * 2048 * 256 * dtype.itemsize
+
+    def run(off, wait):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        with off if off is not None else torch.enable_grad():
+            loss = model(tok, tok)
+            if wait and off is not None:
+                off.wait()
+        loss.backward()
+        return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+
+    want = run(None, False)
+    host = checkpoints // 4
+    off = ssdtrain.Offloader(model, path=str(tmp_path), min_bytes=0, host_bytes=host)
+    try:
+        for i in range(3):
+            got = run(off, i % 2 == 0)
+            assert all(torch.equal(a, b) for a, b in zip(want, got)), f"step {i} differs"
+        s = off.stats()
+    finally:
+        off.close()
+    assert s.host_tier_peak_bytes <= host and s.host_copied_bytes > 0
+    assert s.spilled_bytes > 0 and sum(s.written_bytes_by_path.values()) > 0
+    print(f"spilled {s.spilled_bytes >> 20} MiB, host tier {s.host_copied_bytes >> 20} MiB, "
+          f"read waits {s.read_stall_seconds * 1e3:.1f} ms")
