@@ -82,6 +82,19 @@ def _parser() -> argparse.ArgumentParser:
     long.add_argument("--start-seq", type=int, default=None,
                       help="the first sequence length tried (default 64; 2048 on a GPU)")
     long.add_argument("--max-seq-limit", type=int, default=1 << 20, help="the longest sequence tried (default 2**20)")
+    long.add_argument("--model", choices=("gpt", "llama"), default="gpt",
+                      help="the decoder searched: gpt (the bench's) or llama (RMSNorm, RoPE, grouped-query attention "
+                      "with 4 query heads a key/value head, SwiGLU at 3.5x hidden, 32 blocks; CPU: hidden 64, 4 heads, "
+                      "vocab 256; GPU: hidden 2048, 16 heads, vocab 32768); llama's default modes: "
+                      "recompute,recompute+tiled,recompute+offload,recompute+offload+tiled")
+    long.add_argument("--kv-heads", type=int, help="--model llama: key/value heads (default heads / 4)")
+    long.add_argument("--tile-tokens", type=int,
+                      help="the +tiled modes (any mode name with +tiled appended: every block's MLP computed along "
+                      "the sequence a tile at a time, ssdtrain.longctx.tiled): positions a tile (default: the hidden "
+                      "size, DeepSpeed ALST's)")
+    long.add_argument("--pairs", type=int, default=2,
+                      help="alternated rounds of recompute and each other recompute mode at recompute's longest "
+                      "sequence, for the step ratios (default 2)")
     return ap
 
 
@@ -123,7 +136,8 @@ def args_from_cli(ns: argparse.Namespace) -> BenchArgs:
 
 
 def _max_seq(ns: argparse.Namespace) -> int:
-    from ssdtrain.bench.maxseq import MAX_SEQ_MODES, MaxSeqArgs, cpu_model, format_max_seq, gpu_model, plot_max_seq
+    from ssdtrain.bench.maxseq import (LLAMA_MAX_SEQ_MODES, MAX_SEQ_MODES, MaxSeqArgs, base_mode, cpu_model,
+                                       format_max_seq, gpu_model, plot_max_seq)
     from ssdtrain.bench.runner import default_dtype
 
     dev = resolve_device(ns.device)
@@ -137,20 +151,32 @@ def _max_seq(ns: argparse.Namespace) -> int:
         if ns.memory_budget > total:
             raise ValueError(f"--memory-budget {ns.memory_budget >> 20} MiB is more than {dev}'s {total >> 20} MiB: "
                              "give a smaller one, or none for all of it")
+    llama = ns.model == "llama"
     modes = tuple(m.strip() for m in ns.modes.split(",") if m.strip()) if ns.modes != ",".join(MODES) else (
-        MAX_SEQ_MODES + (("save_on_cpu",) if gpu else ()))
-    bad = [m for m in modes if m not in MODES]
+        LLAMA_MAX_SEQ_MODES if llama else MAX_SEQ_MODES + (("save_on_cpu",) if gpu else ()))
+    bad = [m for m in modes if base_mode(m)[0] not in MODES or base_mode(m) == ("save_on_cpu", True)]
     if bad or not modes:
-        raise ValueError(f"--modes: unknown {', '.join(bad) or '(empty)'}; choose from {', '.join(MODES)}")
-    model = (gpu_model() if gpu else cpu_model()).replace(layers=ns.layers, hidden=ns.hidden, heads=ns.heads,
-                                                          vocab=ns.vocab)
+        raise ValueError(f"--modes: unknown {', '.join(bad) or '(empty)'}; choose from {', '.join(MODES)}, "
+                         "each but save_on_cpu also with +tiled")
+    if ns.tile_tokens is not None and ns.tile_tokens < 1:
+        raise ValueError(f"--tile-tokens must be a positive int, got {ns.tile_tokens}")
+    if ns.kv_heads is not None and not llama:
+        raise ValueError("--kv-heads is for --model llama")
+    if ns.pairs < 1:
+        raise ValueError(f"--pairs must be at least 1, got {ns.pairs}")
+    arch = "llama" if llama else "gpt"
+    model = (gpu_model(arch) if gpu else cpu_model(arch)).replace(layers=ns.layers, hidden=ns.hidden, heads=ns.heads,
+                                                                  vocab=ns.vocab)
+    if llama:
+        model = model.replace(kv_heads=ns.kv_heads)
     start = ns.start_seq or (2048 if gpu else 64)
     if start < 16:
         raise ValueError(f"--start-seq must be at least 16, got {start}")
     progress = None if ns.no_progress else (lambda text: print("  " + text, file=sys.stderr, flush=True))
     args = MaxSeqArgs(model=model, device=str(dev), dtype=ns.dtype or default_dtype(dev), batch=ns.batch or 1,
                       modes=modes, budget_bytes=ns.memory_budget if gpu else (ns.memory_budget or DEFAULT_BUDGET),
-                      start=start, limit=ns.max_seq_limit, path=ns.path, progress=progress,
+                      start=start, limit=ns.max_seq_limit, path=ns.path, progress=progress, pairs=ns.pairs,
+                      tile_tokens=ns.tile_tokens,
                       partial=None if not ns.json else lambda r: _outputs(ns, r, None, ""))
     from ssdtrain.bench.maxseq import run_max_seq
 

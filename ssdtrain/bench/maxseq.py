@@ -36,10 +36,16 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["MAX_SEQ_MODES", "MaxSeqArgs", "cpu_model", "gpu_model", "search", "run_probe", "describe", "run_max_seq",
-           "format_max_seq", "plot_max_seq"]
+__all__ = ["LLAMA_MAX_SEQ_MODES", "MAX_SEQ_MODES", "MaxSeqArgs", "base_mode", "cpu_model", "gpu_model", "search",
+           "run_probe", "describe", "measure_blocks", "run_max_seq", "format_max_seq", "plot_max_seq"]
 
 MAX_SEQ_MODES = ("baseline", "recompute", "offload", "recompute+offload")
+LLAMA_MAX_SEQ_MODES = ("recompute", "recompute+tiled", "recompute+offload", "recompute+offload+tiled")
+"""``--model llama``'s default modes: ALST's recipe (checkpointing, the MLP tiled) without and
+with offloading, beside checkpointing alone and checkpointing with offloading."""
+TILED = "+tiled"
+"""A mode name's suffix: the bench mode before it, every block's MLP tiled along the sequence
+(:func:`ssdtrain.bench.models.tile_mlps`)."""
 MMAP_THRESHOLD = 64 << 10
 # Note [a probe's allocator does not fragment]: on a GPU a probe's child runs with expandable
 # segments (unless PYTORCH_CUDA_ALLOC_CONF says otherwise), so that its out-of-memory comes at the
@@ -50,24 +56,49 @@ ALLOC_CONF = "expandable_segments:True"
 MIB = 1 << 20
 
 
-def cpu_model():
+def cpu_model(arch: str = "gpt"):
     """The CPU's default: 32 blocks, hidden 64 (attention's s^2 work bounds what 2 cores can
-    search in minutes: a step at 2k tokens takes seconds)."""
-    from ssdtrain.bench.models import GPTConfig
+    search in minutes: a step at 2k tokens takes seconds). ``arch="llama"``: the Llama-shaped
+    decoder at the same depth and width (4 query heads sharing 1 key/value head, SwiGLU of 224)."""
+    from ssdtrain.bench.models import GPTConfig, LlamaConfig
 
+    if arch == "llama":
+        return LlamaConfig(vocab=256, seq=512, layers=32, hidden=64, heads=4, loss_chunk=1024)
     return GPTConfig(vocab=256, seq=512, layers=32, hidden=64, heads=2, loss_chunk=1024)
 
 
-def gpu_model():
-    """A GPU's default: 24 blocks of the bench's GPU width (about 1.2 B parameters)."""
-    from ssdtrain.bench.models import GPTConfig
+def gpu_model(arch: str = "gpt"):
+    """A GPU's default: 24 blocks of the bench's GPU width (about 1.2 B parameters);
+    ``arch="llama"``: 32 Llama-shaped blocks of hidden 2048 (16 query heads, 4 key/value heads,
+    SwiGLU of 7168, vocabulary 32768: about 1.9 B parameters)."""
+    from ssdtrain.bench.models import GPTConfig, LlamaConfig
 
+    if arch == "llama":
+        return LlamaConfig(vocab=32768, seq=2048, layers=32, hidden=2048, heads=16, loss_chunk=4096)
     return GPTConfig(vocab=32768, seq=2048, layers=24, hidden=2048, heads=16, loss_chunk=4096)
+
+
+def base_mode(mode: str) -> tuple[str, bool]:
+    """``(bench mode, tiled)`` of a max-seq mode name (``recompute+offload+tiled``:
+    ``("recompute+offload", True)``)."""
+    return (mode[:-len(TILED)], True) if mode.endswith(TILED) else (mode, False)
+
+
+def arch_of(cfg) -> str:
+    from ssdtrain.bench.models import LlamaConfig
+
+    return "llama" if isinstance(cfg, LlamaConfig) else "gpt"
+
+
+def _config(arch: str, fields: dict):
+    from ssdtrain.bench.models import GPTConfig, LlamaConfig
+
+    return (LlamaConfig if arch == "llama" else GPTConfig)(**fields)
 
 
 @dataclasses.dataclass(kw_only=True)
 class MaxSeqArgs:
-    model: Any  # GPTConfig; its ``seq`` is replaced by each probe's
+    model: Any  # GPTConfig or LlamaConfig; its ``seq`` is replaced by each probe's
     device: str = "cpu"
     dtype: str = "float32"
     batch: int = 1
@@ -76,14 +107,17 @@ class MaxSeqArgs:
     start: int = 256
     limit: int = 1 << 20
     path: str | None = None
-    pairs: int = 2  # alternated recompute / recompute+offload pairs at recompute's longest sequence
+    pairs: int = 2  # alternated rounds (recompute and each other recompute mode) at recompute's longest sequence
+    tile_tokens: int | None = None  # the +tiled modes' MLP tile (positions); None: the hidden size (ALST's default)
+    bound: bool = True  # measure one block's bytes at recompute's longest, untiled and tiled, for the bound
     progress: Callable[[str], None] | None = None
     partial: Callable[[dict], None] | None = None  # given the probes so far after each one (a search cut off keeps them)
 
     def head(self) -> dict:
         """What a ``--json`` file says of the setup, before its probes."""
-        return {"model": dataclasses.asdict(self.model), "device": self.device, "dtype": self.dtype,
-                "batch": self.batch, "budget_bytes": self.budget_bytes}
+        return {"model": dataclasses.asdict(self.model), "arch": arch_of(self.model), "device": self.device,
+                "dtype": self.dtype, "batch": self.batch, "budget_bytes": self.budget_bytes,
+                "tile_tokens": self.tile_tokens or self.model.hidden}
 
 
 def probe_in_child(spec: dict) -> dict:
@@ -108,10 +142,11 @@ def _child(spec: dict) -> dict:
 
     from ssdtrain.bench import _device
     from ssdtrain.bench._measure import RssSampler
-    from ssdtrain.bench.models import GPT, GPTConfig
+    from ssdtrain.bench.models import make_model, tile_mlps
     from ssdtrain.bench.modes import Mode, offloader_factory
 
-    cfg = GPTConfig(**spec["model"])
+    cfg = _config(spec.get("arch", "gpt"), spec["model"])
+    name, tiled = base_mode(spec["mode"])
     dev = _device.resolve_device(spec["device"])  # "cuda" gets its index: the memory fraction's calls want one
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec["dtype"]]
     torch.manual_seed(0)
@@ -122,7 +157,10 @@ def _child(spec: dict) -> dict:
         if dev.type == "cuda" and spec["budget"] is not None:  # at most the GPU's memory: the command checks it
             total = torch.cuda.get_device_properties(dev).total_memory
             torch.cuda.set_per_process_memory_fraction(spec["budget"] / total, dev)
-        mode = Mode(spec["mode"], GPT(cfg).to(dtype).to(dev), offloader_factory(spec.get("path"), None))
+        model = make_model(cfg).to(dtype).to(dev)
+        if tiled:
+            tile_mlps(model, spec.get("tile_tokens"))
+        mode = Mode(name, model, offloader_factory(spec.get("path"), None))
         tokens = torch.randint(0, cfg.vocab, (spec["batch"], cfg.seq), device=dev)
         out["per_step"] = steps = []
 
@@ -216,6 +254,73 @@ def _learning(mode) -> bool:
     return clock.rate is None or clock.ratio is None and not clock.deferred or growing
 
 
+def _blocks_child(spec: dict) -> dict:
+    """One block's bytes at ``seq`` tokens: its input, and what its recomputation and backward
+    hold (``torch.utils.checkpoint`` of the block, then backward from a gradient of its output),
+    untiled and with its MLP tiled: the peak over ``reps`` runs, after one warm-up each; plus the
+    output's gradient, which exists while a block runs backward in a model."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    from ssdtrain.bench import _device
+    from ssdtrain.bench._measure import RssSampler
+    from ssdtrain.bench.models import make_model, tile_mlps
+
+    cfg = _config(spec.get("arch", "gpt"), spec["model"]).replace(layers=1)
+    dev = _device.resolve_device(spec["device"])
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec["dtype"]]
+    torch.manual_seed(0)
+    model = make_model(cfg).to(dtype).to(dev)
+    block = model.blocks[0]
+    b, s, h = spec["batch"], cfg.seq, cfg.hidden
+    x = torch.randn(b, s, h, dtype=dtype, device=dev, requires_grad=True)
+    g = torch.randn(b, s, h, dtype=dtype, device=dev)
+    out = {"seq": s, "input_bytes": x.numel() * x.element_size()}
+    sampler = RssSampler()
+    try:
+        for key in ("block_bytes", "block_tiled_bytes"):
+            if key == "block_tiled_bytes":
+                tile_mlps(model, spec.get("tile_tokens"))
+            peaks = []
+            for rep in range(spec.get("reps", 3) + 1):
+                block.zero_grad(set_to_none=True)
+                x.grad = None
+                start = _device.reset_memory_peaks(dev)
+                sampler.start()
+                y = checkpoint(block, x, use_reentrant=False)
+                y.backward(g)
+                _device.synchronize(dev)
+                growth = sampler.stop()
+                del y
+                if dev.type == "cuda":
+                    growth = _device.memory_peaks(dev)["max_memory_allocated_bytes"] - start
+                if rep:  # the first is a warm-up
+                    peaks.append(growth or 0)
+            out[key] = max(peaks) + g.numel() * g.element_size()
+            out[key + "_runs"] = peaks
+    finally:
+        sampler.close()
+    return out
+
+
+def measure_blocks(args: MaxSeqArgs, seq: int, reps: int = 3) -> dict:
+    """One block's bytes at ``seq`` tokens (a child process: :func:`_blocks_child`), and the bound
+    they set on what offloading the inputs and tiling the MLP buy over checkpointing alone:
+    ``(L x input + block) / block_tiled`` (checkpointing holds every block's input and one
+    recomputed block; with the inputs offloaded and the MLP tiled, one tiled block)."""
+    spec = {"kind": "blocks", "model": dataclasses.asdict(args.model.replace(seq=seq)), "arch": arch_of(args.model),
+            "device": args.device, "dtype": args.dtype, "batch": args.batch, "tile_tokens": args.tile_tokens,
+            "reps": reps}
+    r = probe_in_child(spec)
+    if "block_bytes" not in r:
+        return {"seq": seq, "error": r.get("error")}
+    layers = args.model.layers
+    r["layers"] = layers
+    r["bound"] = (layers * r["input_bytes"] + r["block_bytes"]) / r["block_tiled_bytes"]
+    r["bound_untiled"] = (layers * r["input_bytes"] + r["block_bytes"]) / r["block_bytes"]
+    return r
+
+
 def search(mode: str, probe: Callable[[str, int], dict], start: int, limit: int) -> tuple[int | None, list[dict]]:
     """The longest sequence ``probe(mode, seq)`` fits at: doubling from ``start``, then bisection
     to an eighth of the longest that fit (in multiples of 16). Returns it (``None``: not even
@@ -245,8 +350,9 @@ def search(mode: str, probe: Callable[[str, int], dict], start: int, limit: int)
 def run_probe(args: MaxSeqArgs, mode: str, seq: int) -> dict:
     """One probe of ``mode`` at ``seq`` tokens with ``args``' model, device and budget (a child
     process: :func:`probe_in_child`); its result, with ``mode``."""
-    spec = {"model": dataclasses.asdict(args.model.replace(seq=seq)), "mode": mode, "device": args.device,
-            "dtype": args.dtype, "batch": args.batch, "budget": args.budget_bytes, "path": args.path}
+    spec = {"model": dataclasses.asdict(args.model.replace(seq=seq)), "arch": arch_of(args.model), "mode": mode,
+            "device": args.device, "dtype": args.dtype, "batch": args.batch, "budget": args.budget_bytes,
+            "path": args.path, "tile_tokens": args.tile_tokens}
     return dict(probe_in_child(spec), mode=mode)
 
 
@@ -286,25 +392,50 @@ def run_max_seq(args: MaxSeqArgs) -> dict:
                      "peak_bytes": at[0]["peak_bytes"] if at else None, "hit_limit": longest == args.limit})
     result: dict[str, Any] = {**head, "max_seq": rows, "probes": probes}
     found = {r["mode"]: r for r in rows}
-    rec, ro = found.get("recompute"), found.get("recompute+offload")
-    if rec and ro and rec["max_seq"] and ro["max_seq"]:
-        seq, ratios, misfits = rec["max_seq"], [], []
-        for i in range(args.pairs):  # alternated: the machine's noise hits both alike
-            times = {}
-            for mode in (("recompute", "recompute+offload") if i % 2 == 0 else ("recompute+offload", "recompute")):
+    rec = found.get("recompute")
+    others = [m for m in args.modes if m != "recompute" and base_mode(m)[0] in ("recompute", "recompute+offload")
+              and found[m]["max_seq"]]
+    if rec and rec["max_seq"] and others:
+        seq = rec["max_seq"]
+        times: dict[str, list] = {m: [] for m in ["recompute"] + others}
+        misfits: dict[str, list] = {m: [] for m in others}
+        for i in range(args.pairs):  # alternated rounds: the machine's noise hits every mode alike
+            order = ["recompute"] + others
+            round_: dict[str, float | None] = {}
+            for mode in (order if i % 2 == 0 else order[::-1]):
                 r = probe(mode, seq)
-                times[mode] = r["step_s"] if r["fits"] else None
-                if not r["fits"]:
-                    misfits.append(mode)
-            if times["recompute"] and times["recompute+offload"]:
-                ratios.append(times["recompute+offload"] / times["recompute"])
-        # A mode that fits a length in the search and not a shorter one here has no longest
-        # sequence (H200, 2026-11-27: recompute+offload trained 65536 tokens, then ran out of
-        # memory at 40960): said, not hidden in a missing ratio.
-        result["vs_recompute"] = {"seq": seq, "seq_ratio": ro["max_seq"] / seq, "step_ratios": ratios,
-                                  "step_ratio": statistics.median(ratios) if ratios else None,
-                                  "did_not_fit": misfits}
+                round_[mode] = r["step_s"] if r["fits"] else None
+                if not r["fits"] and mode != "recompute":
+                    misfits[mode].append(mode)
+            for mode in order:
+                times[mode].append(round_[mode])
+        every = {}
+        for m in others:
+            ratios = [t / r for t, r in zip(times[m], times["recompute"]) if t and r]
+            # A mode that fits a length in the search and not a shorter one here has no longest
+            # sequence (H200, 2026-11-27: recompute+offload trained 65536 tokens, then ran out of
+            # memory at 40960): said, not hidden in a missing ratio.
+            every[m] = {"seq": seq, "seq_ratio": found[m]["max_seq"] / seq, "step_ratios": ratios,
+                        "step_ratio": statistics.median(ratios) if ratios else None, "did_not_fit": misfits[m]}
+        rec_times = [t for t in times["recompute"] if t]
+        result["recompute_step_per_token_s"] = statistics.median(rec_times) / (seq * args.batch) if rec_times else None
+        result["vs_recompute_all"] = every
+        headline = next((m for m in ("recompute+offload+tiled", "recompute+offload") if m in every), others[0])
+        result["vs_recompute"] = dict(every[headline], mode=headline)
+        if args.bound and any(base_mode(m)[1] for m in args.modes):
+            blocks = measure_blocks(args, seq)
+            say(f"per block at {seq} tokens: " + _blocks_line(blocks))
+            result["blocks"] = blocks
     return result
+
+
+def _blocks_line(b: dict) -> str:
+    if "bound" not in b:
+        return f"not measured ({(b.get('error') or '')[-300:]})"
+    return (f"input {b['input_bytes'] / MIB:.2f} MiB, block {b['block_bytes'] / MIB:.2f} MiB, block tiled "
+            f"{b['block_tiled_bytes'] / MIB:.2f} MiB; bound (L x input + block) / block_tiled = "
+            f"({b['layers']} x {b['input_bytes'] / MIB:.2f} + {b['block_bytes'] / MIB:.2f}) / "
+            f"{b['block_tiled_bytes'] / MIB:.2f} = x{b['bound']:.2f} (untiled: / block = x{b['bound_untiled']:.2f})")
 
 
 def format_max_seq(result: dict) -> str:
@@ -316,29 +447,51 @@ def format_max_seq(result: dict) -> str:
              f"a memory budget of {result['budget_bytes'] / MIB:.0f} MiB: the step's resident growth plus the model's "
              "weights and AdamW state, measured in a child process (on the CPU, memory is not the limit: this stands "
              "for it)")
-    lines = [f"longest sequence per mode: {m['layers']} blocks, hidden {m['hidden']}, {m['heads']} heads, vocab "
-             f"{m['vocab']}, loss in chunks of {m['loss_chunk']} tokens; batch {result['batch']}, {result['dtype']}, "
-             f"{result['device']}; limit: {limit}", ""]
-    rows = [("mode", "longest seq", "step there", "peak there")]
+    if result.get("arch") == "llama":
+        kv = m["kv_heads"] or max(1, m["heads"] // 4)
+        ffn = m["ffn"] or (int(3.5 * m["hidden"]) if 7 * m["hidden"] % 2 == 0 else (int(3.5 * m["hidden"]) + 7) // 8 * 8)
+        shape = (f"Llama-shaped, {m['layers']} blocks, hidden {m['hidden']}, {m['heads']} query heads / {kv} key-value "
+                 f"heads, SwiGLU {ffn}, RMSNorm, RoPE, {'tied' if m['tie'] else 'untied'} head")
+    else:
+        shape = f"{m['layers']} blocks, hidden {m['hidden']}, {m['heads']} heads"
+    tiles = (f"; +tiled: MLP tiles of {result['tile_tokens']} tokens" if any(r["mode"].endswith(TILED)
+             for r in result["max_seq"]) and result.get("tile_tokens") else "")
+    lines = [f"longest sequence per mode: {shape}, vocab {m['vocab']}, loss in chunks of {m['loss_chunk']} tokens"
+             f"{tiles}; batch {result['batch']}, {result['dtype']}, {result['device']}; limit: {limit}", ""]
+    every = result.get("vs_recompute_all") or {}
+    rows = [("mode", "longest seq", "x recompute", "step there", "peak there", "step at rec. longest")]
+    rec_seq = (result.get("vs_recompute") or {}).get("seq")
     for r in result["max_seq"]:
+        vs_r = every.get(r["mode"])
+        at = ("x1.00" if r["mode"] == "recompute" and every else
+              "-" if not vs_r or vs_r["step_ratio"] is None else f"x{vs_r['step_ratio']:.2f}")
         rows.append((r["mode"], "-" if r["max_seq"] is None else f"{r['max_seq']}" + ("+" if r["hit_limit"] else ""),
+                     "-" if not rec_seq or not r["max_seq"] else f"x{r['max_seq'] / rec_seq:.2f}",
                      "-" if r["step_s"] is None else f"{r['step_s']:.2f}s",
-                     "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / MIB:.0f} MiB"))
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+                     "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / MIB:.0f} MiB", at))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for i, row in enumerate(rows):
         lines.append("  ".join([row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]))
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
     vs = result.get("vs_recompute")
     if vs:
+        name = vs.get("mode", "recompute+offload")
         step = "-" if vs["step_ratio"] is None else f"x{vs['step_ratio']:.2f}"
-        lines += ["", f"recompute+offload trains x{vs['seq_ratio']:.2f} the sequence of recompute within the same "
+        per_token = result.get("recompute_step_per_token_s")
+        lines += ["", f"{name} trains x{vs['seq_ratio']:.2f} the sequence of recompute within the same "
                   f"limit; at recompute's longest ({vs['seq']}), its step is {step} of recompute's (median of "
-                  f"{len(vs['step_ratios'])} alternated pairs)"]
-        if vs.get("did_not_fit"):
-            lines.append(f"NOT SETTLED: {', '.join(sorted(set(vs['did_not_fit'])))} did not fit at {vs['seq']} "
-                         f"tokens in {len(vs['did_not_fit'])} of the side-by-side probes, though the search found it "
-                         "training as long or longer")
+                  f"{len(vs['step_ratios'])} alternated pairs)" +
+                  (f"; recompute's step there: {per_token * 1e3:.2f} ms a token" if per_token else "")]
+        blocks = result.get("blocks")
+        if blocks:
+            lines.append(f"per block at {blocks['seq']} tokens (measured): " + _blocks_line(blocks))
+            if "bound" in blocks:
+                lines.append(f"{name} reaches {vs['seq_ratio'] / blocks['bound']:.0%} of the bound")
+        for mode, v in (every or {name: vs}).items():
+            if v.get("did_not_fit"):
+                lines.append(f"NOT SETTLED: {mode} did not fit at {v['seq']} tokens in {len(v['did_not_fit'])} of "
+                             "the side-by-side probes, though the search found it training as long or longer")
     return "\n".join(lines)
 
 
@@ -366,7 +519,7 @@ def plot_max_seq(result: dict, path: str) -> None:
 
 def main() -> int:
     spec = json.loads(sys.stdin.read())
-    sys.stdout.write(json.dumps(_child(spec)) + "\n")
+    sys.stdout.write(json.dumps(_blocks_child(spec) if spec.get("kind") == "blocks" else _child(spec)) + "\n")
     return 0
 
 

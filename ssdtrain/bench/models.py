@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["GPT", "GPTConfig", "PRESETS", "chunked_cross_entropy", "preset"]
+__all__ = ["GPT", "GPTConfig", "Llama", "LlamaConfig", "PRESETS", "chunked_cross_entropy", "make_model", "preset",
+           "tile_mlps"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -226,3 +227,185 @@ def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.
     for i in range(0, h.shape[0], chunk):
         total = total + checkpoint(_chunk_loss, h[i:i + chunk], weight, targets[i:i + chunk], use_reentrant=False)
     return total / h.shape[0]
+
+
+# --- A Llama-shaped decoder (``ssdtrain bench --max-seq --model llama``) ---------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class LlamaConfig:
+    """Shape of the Llama-shaped decoder: RMSNorm, rotary positions, grouped-query attention,
+    a SwiGLU MLP, no biases, an untied head (``tie=True``: tied to the embedding)."""
+
+    vocab: int = 256
+    seq: int = 512
+    """Longest sequence (RoPE has no table to outgrow; kept as the GPT's, which probes replace)."""
+    layers: int = 32
+    hidden: int = 64
+    heads: int = 4
+    """Query heads; ``hidden / heads`` (the head size) must be even (RoPE rotates pairs)."""
+    kv_heads: int = 0
+    """Key/value heads (grouped-query attention); 0: ``heads / 4`` (at least 1), Llama 3's 4 query
+    heads per key head."""
+    ffn: int = 0
+    """The MLP's width; 0: ``3.5 x hidden`` (rounded to a multiple of 8 where it is not whole)."""
+    rope_theta: float = 500000.0
+    eps: float = 1e-5
+    tie: bool = False
+    loss_chunk: int = 0
+    """As :attr:`GPTConfig.loss_chunk`: the loss a chunk of tokens at a time (0: whole)."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab", "seq", "layers", "hidden", "heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"LlamaConfig.{name} must be a positive int, got {value!r}")
+        if self.hidden % self.heads or (self.hidden // self.heads) % 2:
+            raise ValueError(f"LlamaConfig: hidden ({self.hidden}) / heads ({self.heads}) must be a whole, even "
+                             "head size")
+        if self.heads % self.n_kv:
+            raise ValueError(f"LlamaConfig: heads ({self.heads}) must be a multiple of kv_heads ({self.n_kv})")
+        if not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
+            raise ValueError(f"LlamaConfig.loss_chunk must be an int >= 0, got {self.loss_chunk!r}")
+
+    @property
+    def n_kv(self) -> int:
+        return self.kv_heads or max(1, self.heads // 4)
+
+    @property
+    def n_ffn(self) -> int:
+        if self.ffn:
+            return self.ffn
+        width = 7 * self.hidden / 2
+        return int(width) if width == int(width) else (int(width) + 7) // 8 * 8
+
+    def replace(self, **changes) -> "LlamaConfig":
+        """A copy with ``changes`` applied (``None`` values are ignored)."""
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_tables(seq: int, dim: int, theta: float, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos``, ``sin`` of shape ``(seq, dim)`` (each angle twice: the halves rotated together)."""
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+    ang = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv)
+    ang = torch.cat((ang, ang), dim=-1)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary positions, Hugging Face's half-rotation layout; ``x``: ``(b, heads, s, d)``."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class GQAttention(nn.Module):
+    """Causal grouped-query attention with rotary positions (SDPA, ``enable_gqa``: the key/value
+    heads are not repeated in memory)."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.heads, self.kv, self.d = cfg.heads, cfg.n_kv, cfg.hidden // cfg.heads
+        self.theta = cfg.rope_theta
+        self.q = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
+        self.k = nn.Linear(cfg.hidden, self.kv * self.d, bias=False)
+        self.v = nn.Linear(cfg.hidden, self.kv * self.d, bias=False)
+        self.o = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q = self.q(x).view(b, s, self.heads, self.d).transpose(1, 2)
+        k = self.k(x).view(b, s, self.kv, self.d).transpose(1, 2)
+        v = self.v(x).view(b, s, self.kv, self.d).transpose(1, 2)
+        cos, sin = rope_tables(s, self.d, self.theta, x.device, x.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv != self.heads)
+        return self.o(y.transpose(1, 2).reshape(b, s, h))
+
+
+class SwiGLU(nn.Module):
+    """``down(silu(gate(x)) * up(x))``: position-wise, so :mod:`ssdtrain.longctx.tiled` tiles it."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.gate = nn.Linear(cfg.hidden, cfg.n_ffn, bias=False)
+        self.up = nn.Linear(cfg.hidden, cfg.n_ffn, bias=False)
+        self.down = nn.Linear(cfg.n_ffn, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.ln1 = RMSNorm(cfg.hidden, cfg.eps)
+        self.attn = GQAttention(cfg)
+        self.ln2 = RMSNorm(cfg.hidden, cfg.eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Llama(nn.Module):
+    """Llama-shaped decoder: token embedding, ``blocks`` (RMSNorm, RoPE, GQA, SwiGLU), final
+    RMSNorm, head. ``recompute`` and the chunked loss as :class:`GPT`'s; :func:`tile_mlps` tiles
+    its MLPs."""
+
+    def __init__(self, cfg: LlamaConfig | None = None, *, recompute: bool = False) -> None:
+        super().__init__()
+        self.cfg = cfg or LlamaConfig()
+        self.recompute = recompute
+        self.tok_emb = nn.Embedding(self.cfg.vocab, self.cfg.hidden)
+        self.blocks = nn.ModuleList(LlamaBlock(self.cfg) for _ in range(self.cfg.layers))
+        self.ln_f = RMSNorm(self.cfg.hidden, self.cfg.eps)
+        self.head = nn.Linear(self.cfg.hidden, self.cfg.vocab, bias=False)
+        self.apply(GPT._init_weights)
+        if self.cfg.tie:
+            self.head.weight = self.tok_emb.weight
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        b, s = tokens.shape
+        x = self.tok_emb(tokens)
+        for block in self.blocks:
+            if self.recompute and self.training and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        x = self.ln_f(x)
+        if targets is None:
+            return self.head(x)
+        if self.cfg.loss_chunk and self.training and torch.is_grad_enabled():
+            return chunked_cross_entropy(x.reshape(b * s, -1), self.head.weight, targets.reshape(b * s),
+                                         self.cfg.loss_chunk)
+        return F.cross_entropy(self.head(x).reshape(b * s, -1).float(), targets.reshape(b * s))
+
+
+def make_model(cfg: GPTConfig | LlamaConfig) -> nn.Module:
+    """The model of ``cfg``'s kind."""
+    return Llama(cfg) if isinstance(cfg, LlamaConfig) else GPT(cfg)
+
+
+def tile_mlps(model: nn.Module, tile_tokens: int | None = None) -> int:
+    """Tiles every block's ``mlp`` along the sequence (:func:`ssdtrain.longctx.tiled.tile_in_place`,
+    ``tile_tokens`` positions a tile; ``None``: as many as the hidden size, ALST's default);
+    returns how many. Works for both models: their MLPs are position-wise."""
+    from ssdtrain.longctx.tiled import tile_in_place
+
+    for block in model.blocks:
+        tile_in_place(block.mlp, tile_tokens=tile_tokens)
+    return len(model.blocks)
