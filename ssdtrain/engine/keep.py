@@ -76,6 +76,9 @@ def pack_hook(pack: Any, owner: Any, probe: Any) -> Any:
     hook = PackHook(pack)
     hook.__self__ = owner
     hook.probe = probe
+    for name in ("_torchdynamo_disable", "__wrapped__"):  # Note [our hooks are never traced]
+        if hasattr(pack, name):
+            setattr(hook, name, getattr(pack, name))
     return hook
 
 
