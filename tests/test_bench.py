@@ -146,7 +146,8 @@ def test_recompute_offload_gradients_equal_recompute(tmp_path):
             rec.forward_backward(tokens, tokens)
             rpo.forward_backward(tokens, tokens)
             if step == 0:
-                assert rpo.off.stats().written_bytes > 0  # the checkpoints went to the drive
+                s = rpo.off.stats()  # the checkpoints went to the drive, unless the peak rule kept them:
+                assert s.written_bytes + s.peak_kept_bytes > 0  # their writes would end after forward (a loaded machine)
             for a, b in zip(rec.model.parameters(), rpo.model.parameters()):
                 assert torch.equal(a.grad, b.grad)
                 assert torch.equal(a, b)  # after the optimizer step too
