@@ -71,7 +71,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ssdtrain.longctx.tiled import tile_bounds, tile_in_place
+from ssdtrain.longctx.tiled import replace_forward, tile_bounds, tile_in_place
 
 __all__ = ["LongContext", "SUPPORTED_MODEL_TYPES", "chunked_lm_loss", "long_context"]
 
@@ -249,7 +249,6 @@ def _enable_checkpointing(lm: nn.Module, done: LongContext) -> None:
 
 def _chunk_the_loss(lm: nn.Module, chunk: int) -> Any:
     """Replaces ``lm.forward`` (an instance attribute) with one computing the loss in chunks."""
-    had_own = "forward" in lm.__dict__
     original = lm.forward
     sig = inspect.signature(original)
     var_kw = next((p.name for p in sig.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
@@ -283,13 +282,4 @@ def _chunk_the_loss(lm: nn.Module, chunk: int) -> Any:
             return_dict = getattr(lm.config, "return_dict", True)
         return result if return_dict is not False else result.to_tuple()
 
-    lm.forward = forward
-
-    def undo() -> None:
-        if lm.__dict__.get("forward") is forward:
-            if had_own:
-                lm.forward = original
-            else:
-                del lm.forward
-
-    return undo
+    return replace_forward(lm, forward)

@@ -136,19 +136,26 @@ def tile_in_place(module: nn.Module, *, tiles: int | None = None, tile_tokens: i
     tile_bounds(1, tiles=tiles, tile_tokens=tile_tokens)  # checks the settings now
     if getattr(module.forward, "_ssdtrain_tiled", False):
         raise ValueError(f"{type(module).__name__} is already tiled")
-    had_own = "forward" in module.__dict__
     inner = module.forward
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         return _tiled(inner, module, x, tiles, tile_tokens, preserve_rng_state)
 
     forward._ssdtrain_tiled = True  # type: ignore[attr-defined]
+    return replace_forward(module, forward)
+
+
+def replace_forward(module: nn.Module, forward: Callable[..., Any]) -> Callable[[], None]:
+    """Sets ``forward`` as ``module``'s instance attribute; returns a function that restores the
+    forward it had (its own instance attribute, or its class's), unless another replaced it since."""
+    had_own = "forward" in module.__dict__
+    previous = module.forward
     module.forward = forward
 
     def undo() -> None:
         if module.__dict__.get("forward") is forward:
             if had_own:
-                module.forward = inner
+                module.forward = previous
             else:
                 del module.forward
 
