@@ -161,6 +161,25 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+def _trunk_and_loss(model: nn.Module, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
+    """The blocks (each checkpointed under ``model.recompute`` in training), the final norm, and the
+    logits or the loss (in chunks under ``cfg.loss_chunk``): the part :class:`GPT` and
+    :class:`Llama` share after their embeddings."""
+    b, s = x.shape[:2]
+    for block in model.blocks:
+        if model.recompute and model.training and torch.is_grad_enabled():
+            x = checkpoint(block, x, use_reentrant=False)
+        else:
+            x = block(x)
+    x = model.ln_f(x)
+    if targets is None:
+        return model.head(x)
+    if model.cfg.loss_chunk and model.training and torch.is_grad_enabled():
+        return chunked_cross_entropy(x.reshape(b * s, -1), model.head.weight, targets.reshape(b * s),
+                                     model.cfg.loss_chunk)
+    return F.cross_entropy(model.head(x).reshape(b * s, -1).float(), targets.reshape(b * s))
+
+
 class GPT(nn.Module):
     """GPT-style decoder: token + position embeddings, ``blocks``, final LayerNorm, tied head.
 
@@ -194,24 +213,11 @@ class GPT(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``(batch, seq, vocab)``, or the mean cross-entropy loss if ``targets`` given."""
-        b, s = tokens.shape
+        s = tokens.shape[1]
         if s > self.cfg.seq:
             raise ValueError(f"sequence length {s} exceeds the model's seq={self.cfg.seq}")
         pos = torch.arange(s, device=tokens.device)
-        x = self.tok_emb(tokens) + self.pos_emb(pos)
-        for block in self.blocks:
-            if self.recompute and self.training and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
-        x = self.ln_f(x)
-        if targets is None:
-            return self.head(x)
-        if self.cfg.loss_chunk and self.training and torch.is_grad_enabled():
-            return chunked_cross_entropy(x.reshape(b * s, -1), self.head.weight, targets.reshape(b * s),
-                                         self.cfg.loss_chunk)
-        logits = self.head(x)
-        return F.cross_entropy(logits.reshape(b * s, -1).float(), targets.reshape(b * s))
+        return _trunk_and_loss(self, self.tok_emb(tokens) + self.pos_emb(pos), targets)
 
 
 def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -379,20 +385,7 @@ class Llama(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        b, s = tokens.shape
-        x = self.tok_emb(tokens)
-        for block in self.blocks:
-            if self.recompute and self.training and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
-        x = self.ln_f(x)
-        if targets is None:
-            return self.head(x)
-        if self.cfg.loss_chunk and self.training and torch.is_grad_enabled():
-            return chunked_cross_entropy(x.reshape(b * s, -1), self.head.weight, targets.reshape(b * s),
-                                         self.cfg.loss_chunk)
-        return F.cross_entropy(self.head(x).reshape(b * s, -1).float(), targets.reshape(b * s))
+        return _trunk_and_loss(self, self.tok_emb(tokens), targets)
 
 
 def make_model(cfg: GPTConfig | LlamaConfig) -> nn.Module:
