@@ -2,8 +2,12 @@
 
 import dataclasses
 import json
+import time
 
-from ssdtrain.bench import maxseq
+import pytest
+import torch
+
+from ssdtrain.bench import _measure, maxseq
 from ssdtrain.bench.command import main as bench_main
 
 
@@ -63,7 +67,40 @@ def test_a_probe_that_does_not_fit_the_budget_says_so():
     cfg = maxseq.cpu_model().replace(layers=2, hidden=32, heads=2, vocab=64, seq=64)
     r = maxseq.probe_in_child({"model": dataclasses.asdict(cfg), "mode": "baseline", "device": "cpu",
                                "dtype": "float32", "batch": 1, "budget": 1, "path": None})
-    assert r["fits"] is False and r["peak_bytes"] > 1 and r["step_s"] > 0  # measured, over a 1-byte budget
+    # Note [a CPU probe stops at its budget]: the step is stopped once over it, with what was seen.
+    assert r["fits"] is False and r["over_budget"] is True and r["peak_bytes"] > 1 and r["step_s"] is None
+    assert r["stopped_at_step"] == 1 and r["held_bytes"] > 0 and "stopped there" in r["error"]
+    assert "over" in maxseq.describe(dict(r, mode="baseline"))
+
+
+def test_a_probe_within_its_budget_runs_every_step_and_counts_what_the_model_held():
+    """A budget the step fits: the pre-warm, the warm-up and the measured step all run; the peak is
+    the measured step's growth over the weights and AdamW state, each step's record says both."""
+    cfg = maxseq.cpu_model().replace(layers=2, hidden=32, heads=2, vocab=64, seq=64)
+    r = maxseq.probe_in_child({"model": dataclasses.asdict(cfg), "mode": "baseline", "device": "cpu",
+                               "dtype": "float32", "batch": 1, "budget": 1 << 30, "path": None})
+    assert r["fits"] is True and r["step_s"] > 0 and "over_budget" not in r
+    warm, measured = r["per_step"]
+    assert warm["held_bytes"] > measured["held_bytes"] == r["model_bytes"]  # the warm-up began with gradients
+    assert r["peak_bytes"] == measured["growth_bytes"] + r["model_bytes"]
+
+
+def test_the_sampler_calls_over_once_past_its_limit():
+    sampler = _measure.RssSampler(interval=0.001)
+    if not sampler.available:
+        pytest.skip("no /proc/self/statm on this system")
+    seen = []
+    sampler.start(1 << 20, seen.append)
+    block = torch.ones(8 << 20, dtype=torch.uint8)  # 8 MiB, every page written
+    deadline = time.monotonic() + 10
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.005)
+    block2 = torch.ones(8 << 20, dtype=torch.uint8)
+    time.sleep(0.02)
+    growth = sampler.stop()
+    sampler.close()
+    assert len(seen) == 1 and seen[0] > 1 << 20 and growth >= seen[0]
+    del block, block2
 
 
 def test_a_search_cut_off_keeps_its_probes(monkeypatch):

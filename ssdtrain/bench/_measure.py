@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -233,17 +233,23 @@ class RssSampler:
         raw = os.pread(self._fd, 128, 0)
         return int(raw.split()[1]) * self._page
 
-    def start(self) -> None:
+    def start(self, limit: int | None = None, on_over: Callable[[int], None] | None = None) -> None:
+        """Starts sampling. With ``limit``, the sampling thread calls ``on_over(growth)`` once,
+        the first time the growth since now passes ``limit`` bytes."""
         if self._fd is None:
             return
         self.start_rss = self.peak_rss = self.rss()
         self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="ssdtrain-bench-rss", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(limit, on_over), name="ssdtrain-bench-rss",
+                                        daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
+    def _run(self, limit: int | None, on_over: Callable[[int], None] | None) -> None:
         while not self._stop.wait(self.interval):
             self.peak_rss = max(self.peak_rss, self.rss())
+            if limit is not None and on_over is not None and self.peak_rss - self.start_rss > limit:
+                on_over(self.peak_rss - self.start_rss)
+                limit = None
 
     def stop(self) -> int | None:
         """Stops sampling; returns the peak growth in bytes (``None`` without /proc)."""

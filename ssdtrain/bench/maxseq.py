@@ -14,7 +14,8 @@ nothing behind in the parent. What "fits" means:
   every allocation of 64 KiB or more its own mapping, returned when freed: Note [memory in a
   child process]; at 1 MiB the same probe measured 47 and 75 MiB of growth twice in a row) plus
   the model's weights and AdamW state, which were resident before the step began. It is
-  labelled as such in the report.
+  labelled as such in the report. A step over the budget is stopped where it passes it, as a
+  GPU's would fail there (Note [a CPU probe stops at its budget]).
 
 The model is the bench's GPT with a chunked loss (``GPTConfig.loss_chunk``: one chunk's logits
 at a time; the whole logits would dominate at long sequences) and, by default, a realistic depth
@@ -26,6 +27,7 @@ step-time ratio.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -163,15 +165,26 @@ def _child(spec: dict) -> dict:
         mode = Mode(name, model, offloader_factory(spec.get("path"), None))
         tokens = torch.randint(0, cfg.vocab, (spec["batch"], cfg.seq), device=dev)
         out["per_step"] = steps = []
+        cpu_budget = spec["budget"] if dev.type == "cpu" else None
 
-        def step() -> float:
+        def held() -> int:
+            """What the model holds between steps: weights, optimizer state and gradients."""
+            return sum(p.numel() * p.element_size() + (0 if p.grad is None else p.grad.numel() * p.grad.element_size())
+                       for p in mode.model.parameters()) + _state_bytes(mode.opt)
+
+        def step(slack: float = 1.0) -> float:
             """One step, its record appended to ``steps`` first (an out-of-memory leaves it there,
-            partial); returns its seconds."""
+            partial); returns its seconds. On the CPU the sampler measures its resident growth, and
+            with a budget it stops the probe once the step is over ``slack`` times it (Note [a CPU
+            probe stops at its budget])."""
             rec: dict[str, Any] = {"step": len(steps) + 1}
             steps.append(rec)
             # as users do each step: the engine must not rely on the peak's age
             rec["start_bytes"] = _device.reset_memory_peaks(dev)
             before = mode.off.stats() if mode.off is not None else None
+            rec["held_bytes"] = holding = held()
+            sampler.start(None if cpu_budget is None else int(cpu_budget * slack) - holding,
+                          lambda growth: _over_budget(out, rec, holding, growth, slack))
             try:
                 t0 = time.perf_counter()
                 mode.forward_backward(tokens, tokens)
@@ -179,22 +192,23 @@ def _child(spec: dict) -> dict:
                 rec["step_s"] = time.perf_counter() - t0
                 return rec["step_s"]
             finally:
+                rec["growth_bytes"] = sampler.stop()
                 rec["peak_bytes"] = _device.memory_peaks(dev)["max_memory_allocated_bytes"]
                 if before is not None:
                     rec.update(_where_saves_went(mode, before))
 
-        step()  # warm-up: the first step pays its first allocations
+        if cpu_budget is not None:  # Note [a CPU probe stops at its budget]: first-time costs out of its steps
+            short = tokens[:, :PRE_WARM_TOKENS]  # without the offloader, which would learn its forward
+            mode.forward_backward(short, short, hooks=contextlib.nullcontext())
+        step(WARMUP_SLACK)  # warm-up: the first step pays its first allocations
         mode.drain()
         while len(steps) < WARMUP_MAX and _learning(mode):  # Note [a probe measures the steady state]
-            step()
+            step(WARMUP_SLACK)
             mode.drain()
-        model_bytes = sum(p.numel() * p.element_size() for p in mode.model.parameters()) + sum(
-            t.numel() * t.element_size() for st in mode.opt.state.values() for t in st.values()
-            if isinstance(t, torch.Tensor))
+        model_bytes = sum(p.numel() * p.element_size() for p in mode.model.parameters()) + _state_bytes(mode.opt)
         mode.opt.zero_grad(set_to_none=True)
-        sampler.start()
         out["step_s"] = step()
-        growth = sampler.stop()
+        growth = steps[-1]["growth_bytes"]
         mode.drain()
         if "host_copied_bytes" in steps[-1]:
             out["offload"] = steps[-1]
@@ -212,6 +226,44 @@ def _child(spec: dict) -> dict:
     finally:
         sampler.close()
     return out
+
+
+def _state_bytes(opt) -> int:
+    """The optimizer state's bytes (AdamW's two moments a parameter, and its step counts)."""
+    import torch
+
+    return sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
+               if isinstance(t, torch.Tensor))
+
+
+# Note [a CPU probe stops at its budget]: on a GPU a step over the budget fails at the allocation
+# that passes it (the memory fraction), partway through. A CPU probe does the same: the sampling
+# thread, once the step's resident growth plus what the model held before it passes the budget,
+# writes the probe's result (does not fit, the growth seen so far) and ends the process at once,
+# instead of finishing a step that could take minutes at a length already known not to fit (the
+# warm-up too, as on a GPU, with the slack below). The offloader's files need no cleanup (they are
+# unlinked at creation: ssdtrain/store/_arena.py), and the parent reads the line as it reads any.
+# A first step costs more than the steps after it, whatever its length: the optimizer's state,
+# lazy imports, thread pools (the Llama model's first step at 4096 tokens grew 21 MiB more than its
+# second, 13 of them AdamW's moments). So a CPU probe with a budget first takes one step of
+# PRE_WARM_TOKENS, unmeasured and without the offloader (whose write rule learns how long a
+# forward takes: a 64-token forward taught it that a 4096-token one ends at once, and it kept all
+# 35 MiB of checkpoints). The warm-up at the probe's length still pays first costs at that length:
+# at 4096 tokens its peak was 6 MiB (recompute) and 14 MiB (recompute+offload+tiled: 46 against
+# 32) over the measured step's. So a warm-up is stopped only at WARMUP_SLACK times the budget (a
+# length that does not fit by that much is known not to fit), and the measured step at the budget.
+PRE_WARM_TOKENS = 64
+WARMUP_SLACK = 1.5
+
+
+def _over_budget(out: dict, rec: dict, held: int, growth: int, slack: float) -> None:
+    result = {"seq": out["seq"], "fits": False, "oom": False, "over_budget": True, "step_s": None,
+              "peak_bytes": held + growth, "growth_bytes": growth, "held_bytes": held, "stopped_at_step": rec["step"],
+              "error": f"step {rec['step']}: resident growth {growth >> 20} MiB over what the model held "
+                       f"({held >> 20} MiB) passed " + ("the budget" if slack == 1 else f"{slack} times the budget")
+                       + "; stopped there"}
+    os.write(1, (json.dumps(result) + "\n").encode())
+    os._exit(0)
 
 
 def _where_saves_went(mode, before) -> dict:
@@ -360,6 +412,8 @@ def describe(r: dict) -> str:
     """A probe's result in a line."""
     peak = "-" if r.get("peak_bytes") is None else f"{r['peak_bytes'] / MIB:.0f} MiB"
     step = "-" if r.get("step_s") is None else f"{r['step_s']:.2f}s"
+    if r.get("over_budget"):
+        peak = f"over {peak} when stopped in step {r['stopped_at_step']}"
     line = f"{r['mode']} seq {r['seq']}: {'fits' if r['fits'] else 'does not fit'} (peak {peak}, step {step})"
     off = r.get("offload")
     if off:  # where the measured step's saves went
