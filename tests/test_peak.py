@@ -43,18 +43,19 @@ def clock(monkeypatch):
     return now
 
 
-def _forward(w, store, clock, gen):
-    """Forward in fake time: a save every ``DT`` seconds, the drive advanced between them."""
+def _forward(w, store, clock, gen, scale=1):
+    """Forward in fake time: a save every ``DT`` seconds, the drive advanced between them;
+    ``scale`` times as long, with saves ``scale`` times as large (a longer sequence)."""
     total = 0
     for n in SIZES:
-        store.advance(clock[0] + DT)
-        act = torch.randn(n * MIB // 4, generator=gen)
+        store.advance(clock[0] + DT * scale)
+        act = torch.randn(n * scale * MIB // 4, generator=gen)
         total = total + _Save.apply(act, w).sum()
-    store.advance(clock[0] + DT)
+    store.advance(clock[0] + DT * scale)
     return total
 
 
-def _steps(off, store, clock, w, count):
+def _steps(off, store, clock, w, count, scale=1):
     """``count`` steps; per step: (written, fall, bound, peak, unique, peak_kept) and the grads."""
     rows, grads = [], []
     for i in range(count):
@@ -65,7 +66,7 @@ def _steps(off, store, clock, w, count):
         w.grad = None
         gen = torch.Generator().manual_seed(i)
         with off if off is not None else torch.enable_grad():
-            loss = _forward(w, store, clock, gen)
+            loss = _forward(w, store, clock, gen, scale)
         forward_changes = len(timeline) if off is not None else 0
         loss.backward()
         grads.append(w.grad.clone())
@@ -109,6 +110,26 @@ def test_a_step_writes_what_leaves_before_its_peak(clock, tmp_path):
     off.close()
 
 
+def test_a_longer_step_after_shorter_ones_writes_what_leaves_before_its_peak(clock):
+    """Note [a forward of another length]: steps of two and three times the sequence (saves as
+    many times larger, a forward as many times longer) after shorter ones, then a short one again.
+    Placed by bytes saved, a longer forward was past the shorter reference's end part way through
+    and wrote nothing more (the peak fell by 20% of the bound); placed by its saves, it writes what
+    the drive finishes before its own peak, as steps of one length do."""
+    w = torch.ones((), requires_grad=True)
+    store = ClockStore(clock, BPS)
+    off = ssdtrain.Offloader(store=store, min_bytes=0)
+    _steps(off, store, clock, w, 4)
+    for scale in (2, 3, 1):  # longer, longer still, then back (placed by bytes: 20% of the bound at 2 and 3)
+        rows, _ = _steps(off, store, clock, w, 1, scale)
+        r = rows[0]
+        bound = possible_bytes(BPS, len(SIZES) * DT * scale, r["unique"])
+        assert r["unique"] == sum(SIZES) * scale * MIB
+        assert r["written"] == r["fall"], r  # nothing ended after the peak
+        assert r["fall"] >= 0.8 * bound, (r, bound)
+    off.close()
+
+
 def test_late_writes_writes_after_the_peak_and_the_peak_falls_no_further(clock):
     """``late_writes=True``: every eligible save queued, as before the rule; a write that ends
     after the peak lowers nothing, and the drive time it takes may keep a later save that would
@@ -142,11 +163,13 @@ def test_peak_clock_predicts_from_the_median_recent_forward():
     assert meter.rate == 8 * MIB
     for at, left in ((1.5, 1.5), (1.2, 1.2), (6.0, 2.25)):
         clock.begin("s", 0.0)
-        clock.produced(5 * MIB, at)     # half way: the median forward (3 s) had 1.5 s left
+        for i in range(1, 6):
+            clock.produced(MIB, at * i / 5)  # half way: the median forward (3 s) had 1.5 s left
         assert clock.remaining(at) == pytest.approx(left)  # at this one's pace (within PACE_LIMIT)
     assert clock.remaining(6.5) == pytest.approx(1.75)  # half a second since that save: less left
     clock.begin("s", -0.5)
-    clock.produced(5 * MIB, 1.0)        # at the reference's pace (the tests below use now=1.0)
+    for i in range(1, 6):
+        clock.produced(MIB, -0.5 + 1.5 * i / 5)  # at the reference's pace (the tests below use now=1.0)
     assert clock.fits(12 * MIB, 0, 1.0)     # 1.5 s at 8 MiB/s
     assert not clock.fits(12 * MIB, MIB, 1.0)
     meter.started(4 * MIB, 1.0)             # the drive is busy until 1.5 s
@@ -155,10 +178,40 @@ def test_peak_clock_predicts_from_the_median_recent_forward():
     assert clock.fits(8 * MIB, 0, 1.25) and not clock.fits(9 * MIB, 0, 1.25)
     assert clock.may_start("s", 7 * MIB, 1.0) and not clock.may_start("s", 8 * MIB, 1.0)
     assert clock.may_start("other", 100 * MIB, 1.0)  # a micro-batch's write: not this forward's
-    clock.produced(100 * MIB, 2.0)          # past the reference's end: no time left
+    for _ in range(6):
+        clock.produced(MIB, 2.0)            # past the reference's last save: no time left
     assert clock.remaining(2.0) == 0.0 and not clock.fits(1, 0, 2.0)
     clock.enforce = False                   # late_writes: measured, never refused
     assert clock.fits(100 * MIB, 0, 2.0)
+
+
+def test_a_forward_of_another_length_is_placed_by_its_saves():
+    """Note [a forward of another length]: the n-th save against the reference's n-th, and the
+    pace's limit widened by the ratio of their bytes so far."""
+    meter = DriveMeter()
+    clock = PeakClock(meter)
+    for _ in range(3):
+        clock.begin("s", 0.0)
+        for i in range(1, 11):
+            clock.produced(MIB, i / 10)  # 10 saves of 1 MiB over 1 s
+        clock.end(1.0)
+    meter.started(8 * MIB, 0.0)
+    meter.finished(8 * MIB, 1.0)
+    meter.sample(1.0)  # 8 MiB/s
+    clock.begin("s", 0.0)
+    for i in range(1, 7):
+        clock.produced(4 * MIB, 0.4 * i)  # four times the length: saves 4 times larger, 0.4 s apart
+    # 4 saves left at 0.4 s (by bytes, 24 MiB was past the reference's 10 MiB: nothing left)
+    assert clock.remaining(2.4) == pytest.approx(1.6)
+    assert clock.fits(12 * MIB, 0, 2.4) and not clock.fits(13 * MIB, 0, 2.4)
+    clock.begin("s", 0.0)
+    for i in range(1, 6):
+        clock.produced(MIB // 2, 0.05 * i)  # half the length: half way at 0.25 s, 0.25 s left
+    assert clock.remaining(0.25) == pytest.approx(0.25)
+    clock.begin("s", 0.0)
+    for i in range(1, 6):
+        clock.produced(MIB, 2.0 * i / 5)  # the same length, four times slower: PACE_LIMIT holds
+    assert clock.remaining(2.0) == pytest.approx(0.5 * 1.5)
 
 
 def test_drive_meter_counts_busy_time_only():

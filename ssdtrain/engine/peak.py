@@ -6,7 +6,6 @@ lock, and their tests drive them with made-up clocks and numbers.
 
 from __future__ import annotations
 
-import bisect
 from collections import deque
 
 __all__ = ["DriveMeter", "PeakClock", "possible_bytes"]
@@ -27,9 +26,10 @@ __all__ = ["DriveMeter", "PeakClock", "possible_bytes"]
 # So a step's save is written only if the drive is predicted to finish it before that save:
 # * the drive's rate is measured while it writes (``DriveMeter``: bytes over busy time), and so is
 #   when it will be done with the writes in flight (``free_at``);
-# * forward's time left is predicted from where this forward is (bytes saved so far): the seconds
-#   the median of the last ``HISTORY`` forwards took from the same position to its end (not the
-#   last: one slow or fast forward moves it only so far), at this forward's pace so far;
+# * forward's time left is predicted from where this forward is (saves so far: Note [a forward of
+#   another length]): the seconds the median of the last ``HISTORY`` forwards took from the same
+#   save to its end (not the last: one slow or fast forward moves it only so far), at this
+#   forward's pace so far;
 # * at pack, a save is admitted (queued) if the drive, after the writes in flight and those queued,
 #   finishes it within the time left; when the writer is about to start a queued write of this
 #   forward it checks again with what it knows then, and a write that would end after the peak
@@ -47,7 +47,8 @@ START_MARGIN = 1.05
 """A queued write starts only if the drive, after the writes in flight, is predicted to finish
 it this many times over within the time left; else it stays in memory."""
 PACE_LIMIT = 1.5
-"""This forward's pace against the reference's counts for at most this factor either way."""
+"""This forward's pace against the reference's counts for at most this factor either way (times the
+ratio of their sizes: Note [a forward of another length])."""
 HISTORY = 4
 """Forwards the prediction's curve is chosen from (the median one; the lower of two)."""
 MIN_SAMPLE_BYTES = 4 << 20
@@ -108,6 +109,21 @@ class DriveMeter:
         return self.rate
 
 
+# Note [a forward of another length]: a forward is placed on the reference by its count of saves,
+# not its bytes saved: the n-th save of the same model is at the same place in it whatever the
+# sequence length, while the bytes at a place grow with the length. Placed by bytes (until
+# 2026-11-28), a forward longer than the reference was past the reference's end half way through
+# (twice the length) and had "no time left": every later save was kept. Measured: a 4096-token
+# forward after a 64-token one kept all 35 MiB of its checkpoints, and fine-tuning with batches of
+# varying length (dynamic padding) loses the offload in exactly its longest steps. The pace then
+# scales the reference's time. The ratio of this forward's bytes so far to the reference's at the
+# same save is the ratio of their lengths (or batches): it is the pace until a tenth of the forward
+# is behind, and then widens the pace's limit (noise) by as much (a forward twice as long is paced
+# up to 2 x PACE_LIMIT; its time grows by 2 to 4 with attention's square). On the test drive
+# (tests/test_peak.py), a step of two and of three times the length after shorter ones wrote 20%
+# of what the drive could take before its peak placed by bytes, and as much as steps of one length
+# (84%) placed by saves. A forward with more saves than the reference (another model, a
+# data-dependent branch) has no time left past its last, as before.
 class PeakClock:
     """Whether a write is predicted to finish before this forward ends (see the Note).
 
@@ -144,24 +160,25 @@ class PeakClock:
 
     def remaining(self, now: float) -> float | None:
         """Seconds from ``now`` to this forward's peak (its last large save): from its last save
-        on, the time the reference forward took from the same position, at this forward's pace so
-        far (once a tenth of it is behind: a machine slower or faster for a while is so for the
-        rest of the forward too), less the time since that save; ``None`` while none is known.
-        Past the reference's peak: 0."""
+        on, the time the reference forward took from the same save (Note [a forward of another
+        length]), at this forward's pace so far (once a tenth of it is behind: a machine slower or
+        faster for a while is so for the rest of the forward too), less the time since that save;
+        ``None`` while none is known. Past the reference's last save: 0."""
         ref = self._ref
         if ref is None:
             return None
         until, positions, times = ref
-        i = bisect.bisect_left(positions, self.pos)
-        if i >= len(positions):
+        n = len(self._positions)
+        if n > len(positions):
             return 0.0
-        lo_pos, lo_t = (positions[i - 1], times[i - 1]) if i else (0, 0.0)
-        hi_pos, hi_t = positions[i], times[i]
-        t = lo_t + (hi_t - lo_t) * (self.pos - lo_pos) / (hi_pos - lo_pos) if hi_pos > lo_pos else hi_t
-        at = self._times[-1] if self._times else 0.0  # this forward's time at its position
-        pace = 1.0
+        at = self._times[-1] if n else 0.0  # this forward's time at its position
+        t = times[n - 1] if n else 0.0  # the reference's at the same save
+        # the saved bytes so far against the reference's at the same save: its length against the
+        # reference's, the pace until a tenth of the forward is behind, and the pace's limits after
+        size = self.pos / positions[n - 1] if n and positions[n - 1] > 0 else 1.0
+        pace = size
         if t > 0.1 * until:
-            pace = min(PACE_LIMIT, max(1 / PACE_LIMIT, at / t))
+            pace = min(PACE_LIMIT * max(1.0, size), max(min(1.0, size) / PACE_LIMIT, at / t))
         return max(0.0, (until - t) * pace - (now - self.start - at))
 
     def _in_time(self, nbytes: int, margin: float, now: float) -> bool:
