@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import mmap
 import time
 
 import pytest
@@ -90,17 +91,21 @@ def test_the_sampler_calls_over_once_past_its_limit():
     if not sampler.available:
         pytest.skip("no /proc/self/statm on this system")
     seen = []
+    # fresh mappings, every page written: resident memory that no allocator had before
+    blocks = [mmap.mmap(-1, 8 << 20)]
     sampler.start(1 << 20, seen.append)
-    block = torch.ones(8 << 20, dtype=torch.uint8)  # 8 MiB, every page written
+    blocks[0].write(b"\1" * (8 << 20))
     deadline = time.monotonic() + 10
     while not seen and time.monotonic() < deadline:
         time.sleep(0.005)
-    block2 = torch.ones(8 << 20, dtype=torch.uint8)
+    blocks.append(mmap.mmap(-1, 8 << 20))
+    blocks[1].write(b"\1" * (8 << 20))
     time.sleep(0.02)
     growth = sampler.stop()
     sampler.close()
+    for block in blocks:
+        block.close()
     assert len(seen) == 1 and seen[0] > 1 << 20 and growth >= seen[0]
-    del block, block2
 
 
 def test_a_search_cut_off_keeps_its_probes(monkeypatch):
