@@ -518,14 +518,9 @@ def test_cli_points_at_the_package():
 
 def _benchmark(name: str):
     """The module of ``benchmarks/<name>.py``."""
-    import importlib.util
-    from pathlib import Path
+    from _benchmarks import load_benchmark
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"{name.replace('/', '_')}_benchmark", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark(name)
 
 
 def test_step_time_benchmark_smoke(tmp_path, capsys):

@@ -4,11 +4,10 @@ for bit, with every save offloaded (``min_bytes=0``) and with every save written
 noise before its kernel fills it: an offloader that copies a save before its op returns gives it
 back unfilled. The whole sweep: ``python benchmarks/opinfo_sweep.py``."""
 
-import importlib.util
 import io
-from pathlib import Path
 
 import pytest
+from _benchmarks import load_benchmark
 
 pytest.importorskip("torch")
 
@@ -16,11 +15,7 @@ OPS = ["nn.functional.rrelu", "nn.functional.dropout", "mul", "nn.functional.lay
 
 
 def _sweep_module():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "opinfo_sweep.py"
-    spec = importlib.util.spec_from_file_location("opinfo_sweep_benchmark", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("opinfo_sweep")
 
 
 def test_opinfo_sweep_a_few_ops(tmp_path):

@@ -14,22 +14,14 @@ import importlib.util
 import json
 import os
 import time
-from pathlib import Path
 
 import pytest
+from _benchmarks import load_benchmark
 
 pytest.importorskip("transformers")
 
 
-def _load_peers():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "peers.py"
-    spec = importlib.util.spec_from_file_location("peers_benchmark", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-peers = _load_peers()
+peers = load_benchmark("peers")
 
 # Workers that run here, and peers whose packages the test environment lacks (reported at once,
 # no process): torchtune, Unsloth. hf-ckpt-offload and deepspeed-offload run and fail on the CPU

@@ -1,0 +1,13 @@
+"""A benchmark script loaded as a module, for the tests that run its parts."""
+
+import importlib.util
+from pathlib import Path
+
+
+def load_benchmark(name: str):
+    """The module of ``benchmarks/<name>.py`` (``name`` may name a subfolder: ``investigations/save_cost``)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name.replace('/', '_')}_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
