@@ -205,10 +205,10 @@ def _child(spec: dict) -> dict:
         while len(steps) < WARMUP_MAX and _learning(mode):  # Note [a probe measures the steady state]
             step(WARMUP_SLACK)
             mode.drain()
-        model_bytes = sum(p.numel() * p.element_size() for p in mode.model.parameters()) + _state_bytes(mode.opt)
         mode.opt.zero_grad(set_to_none=True)
         out["step_s"] = step()
-        growth = steps[-1]["growth_bytes"]
+        # with no gradients, what the model held before the step: its weights and AdamW state
+        growth, model_bytes = steps[-1]["growth_bytes"], steps[-1]["held_bytes"]
         mode.drain()
         if "host_copied_bytes" in steps[-1]:
             out["offload"] = steps[-1]
