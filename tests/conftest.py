@@ -1,4 +1,5 @@
 import os
+import sys
 import tempfile
 
 import pytest
@@ -13,6 +14,22 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # cuFile (behind kvikio) logs to ./cufile.log unless told where: keep the checkout clean.
 os.environ.setdefault("CUFILE_LOGFILE_PATH", os.path.join(tempfile.gettempdir(), "ssdtrain-tests-cufile.log"))
+
+
+@pytest.fixture(autouse=True)
+def _no_hooks_left_behind():
+    """A test that leaves saved-tensor hooks pushed on this thread fails itself, and they are
+    popped: else every later test's saves go to them (a closed offloader's raise in each)."""
+    yield
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    left = 0
+    while torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        left += 1
+    if left:
+        pytest.fail(f"the test left {left} saved-tensor hook pair(s) pushed on the main thread (popped now)")
 
 
 @pytest.fixture

@@ -40,6 +40,10 @@ def _settled(off, off_dir):
             for e in off._entries.values()]
     assert s.live_entries == 0 and s.resident_bytes == 0 and s.live_disk_bytes == 0, (left, s)
     assert _returns(off.close), "close() hung"
+    # close() ran on another thread: hooks a cut __exit__ left on this one are still pushed (they
+    # are per thread; a step's saves would raise "closed"); close() here pops them
+    off.close()
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     assert list(off_dir.iterdir()) == []
     return s
 
@@ -243,6 +247,28 @@ def test_a_step_whose_exit_never_ran_holds_the_next_as_nested(off_dir):
     off2.__enter__()
     off2.close()             # close() pops them too (the hooks are this thread's)
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+def test_a_close_on_another_thread_leaves_a_cut_steps_hooks_to_a_close_here(off_dir):
+    """Hooks are per thread: a close() on another thread (a trainer's teardown, a watchdog)
+    cannot pop those of a step whose ``__exit__`` was cut short. Saves then say what is wrong and
+    what to do; close() on this thread pops them. (CI 2026-11-28: a random cut at ``__exit__``
+    and a close in a helper thread left a closed offloader's hooks that failed 94 later tests.)"""
+    model = _model()
+    x = torch.randn(64, 256)
+    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0)
+    off.__enter__()
+    model(x).sum()  # the forward, then no __exit__
+    t = threading.Thread(target=off.close)
+    t.start()
+    t.join()
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    with pytest.raises(RuntimeError, match="still open on this thread.*off.close"):
+        model(x).sum()
+    off.close()
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    model(x).sum().backward()  # training without it goes on
+    assert list(off_dir.iterdir()) == []
 
 
 def test_a_write_settled_again_by_heal_is_counted_once(off_dir):

@@ -246,9 +246,14 @@ class Offloader(hooks.SaveHooks):
         """Finishes I/O in flight and releases files and threads; idempotent.
 
         Saved references that are still on storage afterwards cannot be unpacked (a clear error
-        says so); those still in memory can.
+        says so); those still in memory can. Hooks are per thread: close() pops those of this
+        thread's ``with off:`` left open (an interrupt as its ``__exit__`` began), again when
+        another thread closed it first.
         """
         if self._closed:
+            # A close on another thread could not pop this thread's hooks (they are per thread):
+            # a step whose __exit__ was cut short left them; close() on this thread pops them.
+            self._leave_stale_steps()
             return
         self._closed = True
         self._nested = 0
@@ -319,6 +324,11 @@ class Offloader(hooks.SaveHooks):
 
     def _check_open(self) -> None:
         if self._closed:
+            if self._scopes.opened_by(self):
+                raise RuntimeError(
+                    "this Offloader is closed, but a `with off:` block of it is still open on this thread (its "
+                    "__exit__ never ran, e.g. a Ctrl-C as it began) and its hooks still take every save; call "
+                    "off.close() on this thread, which pops them")
             raise RuntimeError("this Offloader is closed; create a new one")
         if os.getpid() != self._pid:
             raise RuntimeError(f"this Offloader was created in process {self._pid} and cannot be used in a forked "
