@@ -502,10 +502,9 @@ def format_max_seq(result: dict) -> str:
              "weights and AdamW state, measured in a child process (on the CPU, memory is not the limit: this stands "
              "for it)")
     if result.get("arch") == "llama":
-        kv = m["kv_heads"] or max(1, m["heads"] // 4)
-        ffn = m["ffn"] or (int(3.5 * m["hidden"]) if 7 * m["hidden"] % 2 == 0 else (int(3.5 * m["hidden"]) + 7) // 8 * 8)
-        shape = (f"Llama-shaped, {m['layers']} blocks, hidden {m['hidden']}, {m['heads']} query heads / {kv} key-value "
-                 f"heads, SwiGLU {ffn}, RMSNorm, RoPE, {'tied' if m['tie'] else 'untied'} head")
+        cfg = _config("llama", m)  # its key/value heads and MLP width, defaults resolved
+        shape = (f"Llama-shaped, {m['layers']} blocks, hidden {m['hidden']}, {m['heads']} query heads / {cfg.n_kv} "
+                 f"key-value heads, SwiGLU {cfg.n_ffn}, RMSNorm, RoPE, {'tied' if m['tie'] else 'untied'} head")
     else:
         shape = f"{m['layers']} blocks, hidden {m['hidden']}, {m['heads']} heads"
     tiles = (f"; +tiled: MLP tiles of {result['tile_tokens']} tokens" if any(r["mode"].endswith(TILED)
