@@ -9,6 +9,8 @@ from ssdtrain.bench import maxseq
 from ssdtrain.bench.command import main as bench_main
 from ssdtrain.bench.models import Llama, LlamaConfig, tile_mlps
 
+from _equiv import step
+
 MLP_WEIGHTS = (".mlp.gate.", ".mlp.up.", ".mlp.down.")
 
 
@@ -24,16 +26,9 @@ def test_llama_shape():
 
 
 def _grads(model, tokens, off=None):
-    model.zero_grad(set_to_none=True)
-    if off is None:
-        loss = model(tokens, tokens)
-    else:
-        with off:
-            loss = model(tokens, tokens)
-    loss.backward()
-    if off is not None:
-        off.wait()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    """The shared harness's step (tests/_equiv.py), its gradients by parameter name."""
+    loss, grads = step(model, lambda: model(tokens, tokens), off)
+    return loss, dict(zip((n for n, _ in model.named_parameters()), grads))
 
 
 def test_tiled_and_offloaded_gradients_match_the_plain_recompute(tmp_path):
