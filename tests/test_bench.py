@@ -17,6 +17,7 @@ from ssdtrain import bench
 from ssdtrain.bench import _device, _measure, command, drive, modes, runner
 from ssdtrain.bench._progress import Progress
 from ssdtrain.bench.models import GPT, GPTConfig, preset
+from _benchmarks import load_benchmark
 
 KEYS = ("step_time_s", "forward_s", "backward_s", "peak_saved_bytes", "peak_rss_bytes", "written_bytes",
         "read_bytes", "stall_s")
@@ -516,16 +517,9 @@ def test_cli_points_at_the_package():
     assert ssdtrain.bench is bench
 
 
-def _benchmark(name: str):
-    """The module of ``benchmarks/<name>.py``."""
-    from _benchmarks import load_benchmark
-
-    return load_benchmark(name)
-
-
 def test_step_time_benchmark_smoke(tmp_path, capsys):
     """benchmarks/step_time.py at tiny size, throttled, with recompute: so that it cannot rot."""
-    module = _benchmark("step_time")
+    module = load_benchmark("step_time")
     out = tmp_path / "step.json"
     rc = module.main(["--tiny", "--data", "torch", "--path", str(tmp_path / "nvme"), "--work-dir",
                       str(tmp_path / "work"), "--json", str(out), "--recompute", "--drive-gbps", "0.2",
@@ -543,7 +537,7 @@ def test_step_time_benchmark_smoke(tmp_path, capsys):
 
 def test_peak_benchmark_smoke(tmp_path, capsys):
     """benchmarks/peak.py at the tiny size, one throttled run: so that it cannot rot."""
-    module = _benchmark("peak")
+    module = load_benchmark("peak")
     out = tmp_path / "peak.json"
     rc = module.main(["--quick", "--rates", "100", "--kinds", "checkpointed", "--no-unthrottled", "--steps", "1",
                       "--batch", "2", "--throttle", "backend", "--path", str(tmp_path / "nvme"), "--json", str(out)])
@@ -560,7 +554,7 @@ def test_pack_cost_benchmark_smoke(tmp_path, capsys):
     cheap path stays cheap)."""
     from ssdtrain.engine import offloader as offloader_mod
 
-    module = _benchmark("pack_cost")
+    module = load_benchmark("pack_cost")
     out = tmp_path / "pack.json"
     before = offloader_mod._TIER_DEVICES
     assert module.main(["--layers", "2", "--steps", "2", "--rounds", "1", "--json", str(out)]) == 0
@@ -578,7 +572,7 @@ def test_pack_cost_benchmark_smoke(tmp_path, capsys):
 def test_copy_issue_cost_benchmark_smoke(tmp_path, capsys):
     """benchmarks/investigations/copy_issue_cost.py on the CPU (the harness; the ways that need CUDA are left
     out): a loop beside a copying thread, per launch and per copy, in its JSON."""
-    module = _benchmark("investigations/copy_issue_cost")
+    module = load_benchmark("investigations/copy_issue_cost")
     out = tmp_path / "cost.json"
     assert module.main(["--device", "cpu", "--copies", "20", "--mib", "0.25", "--launches", "2000", "--rounds", "1",
                         "--json", str(out)]) == 0
@@ -593,7 +587,7 @@ def test_spy_summary_counts_each_threads_own_and_inclusive_samples(tmp_path, cap
     """benchmarks/investigations/spy_summary.py on py-spy's raw format: samples per thread, busiest first; a
     sample's own frame is its last; a frame on a stack twice (recursion) counts once per sample;
     lines that are not samples are skipped."""
-    module = _benchmark("investigations/spy_summary")
+    module = load_benchmark("investigations/spy_summary")
     raw = tmp_path / "spy.txt"
     raw.write_text(
         'process 7:"python x.py";thread (0x1): MainThread;main (/w/x.py:3);f (/w/m.py:9);f (/w/m.py:9);'

@@ -14,12 +14,8 @@ pytest.importorskip("torch")
 OPS = ["nn.functional.rrelu", "nn.functional.dropout", "mul", "nn.functional.layer_norm", "matmul"]
 
 
-def _sweep_module():
-    return load_benchmark("opinfo_sweep")
-
-
 def test_opinfo_sweep_a_few_ops(tmp_path):
-    sweep = _sweep_module()
+    sweep = load_benchmark("opinfo_sweep")
     summary = sweep.sweep(ops=OPS, dtypes=["float64"], max_samples=3, large_rounds=1, large_numel=1 << 18,
                           path=str(tmp_path))
     text = io.StringIO()
