@@ -5,6 +5,7 @@ import math
 import time
 
 import pytest
+from _benchmarks import load_benchmark
 
 from ssdtrain.planner import plan as P
 
@@ -468,14 +469,8 @@ def test_cli_drive_flags(tmp_path, capsys):
 
 def test_plan_vs_bench_smoke(tmp_path, capsys):
     """benchmarks/plan_vs_bench.py at the bench's --quick size, one throttled speed: so that it cannot rot."""
-    import importlib.util
-    from pathlib import Path
-
     pytest.importorskip("torch")
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "plan_vs_bench.py"
-    spec = importlib.util.spec_from_file_location("plan_vs_bench", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("plan_vs_bench")
     out = tmp_path / "pvb.json"
     rc = module.main(["--quick", "--steps", "1", "--rate", "0.5", "--fractions", "10", "--throttle", "backend",
                       "--path", str(tmp_path / "nvme"), "--work-dir", str(tmp_path / "work"), "--json", str(out)])

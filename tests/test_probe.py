@@ -6,6 +6,7 @@ import json
 import os
 
 import pytest
+from _benchmarks import load_benchmark
 
 from ssdtrain.tools import probe
 from ssdtrain.store import _fs
@@ -135,13 +136,7 @@ def test_progress_bar_draws_on_a_terminal():
 
 def test_io_throughput_benchmark_smoke(tmp_path, capsys):
     """benchmarks/io_throughput.py at a tiny size, so that it cannot rot."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "io_throughput.py"
-    spec = importlib.util.spec_from_file_location("_io_throughput", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("io_throughput")
     out = tmp_path / "bench.json"
     rc = mod.main(["--path", str(tmp_path), "--size", "2MiB", "--tensor", "1MiB", "--rounds", "1",
                    "--chunk", "1MiB", "--io-threads", "2", "--json", str(out)])
