@@ -249,9 +249,20 @@ def test_a_fresh_offloaders_first_step_lowers_the_peak(tmp_path, sleep):
 def test_checkpoints_beyond_host_bytes_spill_to_the_drive_exactly(dtype, tmp_path):
     """recompute+offload on the bench's GPT whose block inputs are four times ``host_bytes``
     (issue 50, item 4; its CPU twin is in tests/test_tier.py): exact over three steps, the tier
-    full, the drive taking the rest, and what went where in ``stats()``."""
+    full, the drive taking the rest, and what went where in ``stats()``. Deterministic algorithms
+    on: without them two runs of this GPT without offloading differ on a GPU (H200, 2026-11-28:
+    every gradient in fp32), so there would be nothing exact to compare with."""
     from ssdtrain.bench.models import GPT, GPTConfig
 
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        _spill_exactly(dtype, tmp_path, GPT, GPTConfig)
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
+def _spill_exactly(dtype, tmp_path, GPT, GPTConfig):
     torch.manual_seed(0)
     cfg = GPTConfig(vocab=1024, seq=2048, layers=16, hidden=256, heads=4, loss_chunk=512)
     model = GPT(cfg, recompute=True).to(CUDA, dtype)
@@ -269,6 +280,8 @@ def test_checkpoints_beyond_host_bytes_spill_to_the_drive_exactly(dtype, tmp_pat
         return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
 
     want = run(None, False)
+    again = run(None, False)
+    assert all(torch.equal(a, b) for a, b in zip(want, again)), "not deterministic without offloading"
     host = checkpoints // 4
     off = ssdtrain.Offloader(model, path=str(tmp_path), min_bytes=0, host_bytes=host)
     try:
