@@ -196,6 +196,8 @@ def _reference_clock(device_s: float, host_s: float) -> CopyClock:
     clock.learn(0.03, 6 * 10**9, host=0.03)  # timed, its copies dear: the next forward is the reference
     clock.begin()
     assert clock.limit == 0
+    clock.produced(10**6)  # two saves, as in every forward of _copying_forward
+    clock.produced(6 * 10**9 - 10**6)
     clock.learn(device_s, 6 * 10**9, host=host_s)
     assert clock.reference == device_s and clock.host_reference == host_s
     return clock
@@ -208,6 +210,7 @@ def _copying_forward(clock: CopyClock, host_s: float, device_s: float = 0.03) ->
     clock.produced(10**6)
     sent = clock.limit - clock.limit % 1000
     assert clock.allows(sent)
+    clock.produced(6 * 10**9 - 10**6)
     clock.learn(device_s, 6 * 10**9, host=host_s)
     return clock.limit
 
@@ -219,14 +222,14 @@ def test_the_host_paces_the_copies():
     that, the budget grows again by at most x1.25 a forward, up to the copy engine's."""
     clock = _reference_clock(0.02, 0.025)
     engine = int(COPY_SHARE * 50e9 * 0.02)
-    assert clock.limit == engine and clock.host_limit is None
+    assert clock.limit == engine and clock.host_cost is None
     paced = _copying_forward(clock, host_s=0.035)
     target = 0.025 * (1 + HOST_STRETCH)
     assert paced == pytest.approx(engine * (target - 0.025) / 0.010, rel=0.01)  # an eighth of it
     grown = _copying_forward(clock, host_s=0.0255)  # well under the target: x1.25
     assert grown == pytest.approx(1.25 * paced, rel=0.01)
     # Far over, with little copied: never under PROBE_SHARE of the engine's budget (to measure again)
-    clock.host_limit = clock.limit = 1000
+    clock.host_grow = clock.host_floor = clock.limit = 1000
     assert _copying_forward(clock, host_s=0.1) == int(PROBE_SHARE * engine)
     for _ in range(40):  # the host within its target: back up to the engine's budget, no further
         last = _copying_forward(clock, host_s=0.025)

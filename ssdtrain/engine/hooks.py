@@ -59,6 +59,8 @@ class SaveHooks:
             with self._lock:
                 if self._peak.active:
                     self._peak.produced(nbytes, _now())
+                if self._tier is not None and (t.is_cuda or self._tier_cpu):  # Note [the copy clock counts every save]
+                    self._tier.clock.produced(0 if storage._cdata in self._cache.small.rows else nbytes)
                 return self._cache.small.add(t, storage, scope.stats_id)
         self._safe_point(raise_errors=True)
         if torch.autograd.profiler._is_profiler_enabled:
@@ -77,6 +79,8 @@ class SaveHooks:
             if self._peak.active:
                 self._peak.produced(nbytes, _now())
             entry = self._cache.index.find(t, view_lo, view_hi)
+            if entry is not None and self._tier is not None and (t.is_cuda or self._tier_cpu):
+                self._tier.clock.produced(0)  # a save of a storage saved before: counted, no bytes
             small = None
             if entry is None:  # Note [a save the budget keeps skips the cache]
                 why = self._kept_at_once(t, hi - lo)
@@ -221,7 +225,11 @@ class SaveHooks:
     # its reference copies nothing: its budget closes at the first save, and every later save is
     # kept at once, with no entry. Those saves are counted too; counting entries alone gave that
     # forward a total of one save, and every copy after was refused as due after forward's end
-    # (the H200, 2026-11-27: the tier copied nothing, offload lowered no peak).
+    # (the H200, 2026-11-27: the tier copied nothing, offload lowered no peak). Small saves and
+    # saves of a storage saved before are counted as well (the latter with no bytes): the clock
+    # places a forward on its reference by its count of saves (Note [a copy clock for forwards of
+    # any length]), and a storage small at one length (the rotary tables at 1k tokens) is an
+    # entry at another.
     def _kept_at_once(self, t: torch.Tensor, nbytes: int) -> str | None:
         """Under the lock: whether a new save of ``t`` (``nbytes``) will be kept whatever its entry
         would say, and why (the counter its bytes add to): its forward closed its budget, or its

@@ -87,7 +87,10 @@ own reference (Note [a forward whose copies are cheap is its own reference])."""
 # forward; never under ``PROBE_SHARE`` of the engine's budget, so the cost is measured again).
 # A host far ahead of its device (GPU-bound) leaves the engine's budget as it is. A forward whose
 # copies were cheap enough to be its own reference has no host time without copies, and is not
-# paced: its copies are few.
+# paced: its copies are few. A copy costs the host the same at any length, and the host's time
+# without copies is the reference's at any length (the same saves and kernels): so what the host
+# allows is kept as seconds per byte copied at the reference's length, and a longer forward, with
+# more device time to hide its copies in, may copy more (its growth's x1.25 is scaled by its room).
 
 # Note [a forward whose copies are cheap is its own reference]
 # The forward measured copying nothing exists to learn forward's time free of its copies' cost,
@@ -99,6 +102,26 @@ own reference (Note [a forward whose copies are cheap is its own reference])."""
 # device. That is recompute+offload's case (a few large block inputs, about 60 ms of copies in a
 # 500 ms forward at 65536 tokens on an H200), where a forward copying nothing holds recompute's
 # peak, at a length that only trains with the tier: it ran out of memory there (2026-11-27).
+# Note [a copy clock for forwards of any length]
+# Fine-tuning pads each batch to its longest (Hugging Face's collators, group_by_length, packed
+# batches of varying totals), so forwards of one model come in many lengths. The clock learns a
+# reference from one forward (its device seconds, its bytes, its position after each save) and
+# places every other forward on it by its count of saves, as the drive's rule does (Note [a
+# forward of another length] in ``engine/peak.py``): the n-th save of the same model is at the
+# same place in it at any length, and the bytes so far over the reference's at the same save is
+# this forward's length over the reference's (``size``). The reference's budget and its end (the
+# peak, in positions) are scaled by it; the ratio of production to copy rate does not change (the
+# device's time is taken as linear in the length, so a longer forward, whose attention makes it
+# longer still, is given a little less than it could copy: never more). A forward replaces the
+# reference when it is faster for its length. Placed by bytes (until 2026-11-28), a forward past
+# the reference's bytes had its every copy due after its end: on the modelled H100 of
+# ``benchmarks/copy_clock_lengths.py`` (Llama-3.1-8B-shaped recompute+offload), a 16k-token step
+# after four of 1k copied 3% of what the copy engine could take before its peak, an 8k step 9%,
+# and a 1k or 2k step after long ones 42-48%; placed by saves, 94% each. The host's pace is
+# length-free (Note [the host paces the copies]). Every save is counted, small ones and saves of
+# a storage saved before too (Note [the copy clock counts every save] in ``engine/hooks.py``).
+
+
 class CopyClock:
     """Positions in a forward, in bytes produced (see the Note); what a forward may copy."""
 
@@ -107,17 +130,26 @@ class CopyClock:
         self.ratio: float | None = None  # production rate / copy rate, from the last forward
         self.limit: int | None = None    # bytes a forward may copy; None: not learned yet
         self.pos = 0
+        self.saves = 0  # this forward's saves so far (Note [a copy clock for forwards of any length])
+        self._positions: list[int] = []  # this forward's position after each of its saves
+        self._ref_positions: list[int] = []  # the reference forward's
         self.tail = 0.0
         self.pending = 0  # bytes allowed and not handed to the copy thread yet (Note [a copy is due from its hand-over])
         self.sent = 0
         self.closed = False  # this forward was refused a copy: the rest of it is kept
         self.limited = False  # ... by the limit (not for a copy due after forward's end)
         self.reference: float | None = None  # device seconds of a forward that copied nothing
-        self.total = 0  # bytes that forward produced: where the peak is, in forward positions
+        self.total = 0  # bytes that forward produced: where its peak is, in its positions
         self.deferred = 0  # forwards not measured for want of room (Note [the reference forward needs room])
         self.timed = False  # a forward was timed with the copy rate known (learn was told its seconds)
         self.host_reference: float | None = None  # host seconds of the forward that copied nothing
-        self.host_limit: int | None = None  # bytes the host's pace allows (Note [the host paces the copies])
+        # Note [the host paces the copies], in bytes at the reference's length: the host's seconds
+        # per byte copied (None: not measured), what it may grow to, and what it keeps
+        self.host_cost: float | None = None
+        self.host_grow = 0.0
+        self.host_floor = 0.0
+        self.host_room = 0.0
+        self.engine = 0.0  # what the copy engine moves in the reference forward's time, COPY_SHARE of it
 
     def wants_reference(self) -> bool:
         """Whether the next forward is to be measured, copying nothing: once the copy rate is
@@ -131,6 +163,7 @@ class CopyClock:
         forward copied: then it copies as before the rate was known."""
         last = self.sent
         self.pos, self.tail, self.pending, self.sent, self.closed, self.limited = 0, 0.0, 0, 0, False, False
+        self.saves, self._positions = 0, []
         if self.wants_reference():
             if room or not last:
                 self.limit = 0
@@ -139,18 +172,32 @@ class CopyClock:
                 self.deferred += 1
 
     def produced(self, nbytes: int) -> None:
-        """A save of ``nbytes`` (offloaded or not) was made."""
+        """A save of ``nbytes`` new bytes was made (offloaded or not, small or not; 0 for a save
+        of a storage saved before): every save is counted (Note [a copy clock for forwards of any
+        length])."""
         self.pos += nbytes
+        self.saves += 1
+        self._positions.append(self.pos)
+
+    def size(self) -> float:
+        """This forward's length against the reference's: its bytes so far over the reference's
+        at the same save (1 before its first save or without a reference)."""
+        ref, n = self._ref_positions, self.saves
+        if not n or not ref:
+            return 1.0
+        at = ref[min(n, len(ref)) - 1]
+        return self.pos / at if at > 0 else 1.0
 
     def allows(self, nbytes: int) -> bool:
         """Whether this forward may copy ``nbytes`` more (and counts them if so): within the
         limit, and due before forward's end (a copy done after the peak frees nothing that
         matters; its bytes would only come back again)."""
-        if self.limit is not None and self.sent + nbytes > self.limit:
+        size = self.size()
+        if self.limit is not None and self.sent + nbytes > self._limit_at(size):
             self.closed = self.limited = True
             return False
         if self.ratio is not None and \
-                max(self.tail, self.pos) + (self.pending + nbytes) * self.ratio * DUE_MARGIN > self.total:
+                max(self.tail, self.pos) + (self.pending + nbytes) * self.ratio * DUE_MARGIN > self.total * size:
             self.closed = True
             return False
         self.sent += nbytes
@@ -181,18 +228,18 @@ class CopyClock:
         the host, between the same two points).
 
         Only a forward that copied nothing is learned from (the first after the copy rate is
-        known), and then a shorter one: a forward's own copies lengthen it (the host's work for
-        each, a compute stream that waited), and learning from that would give the next forwards
-        more to copy, so longer ones: on an H100 the limit grew to copying everything (2.5 GiB a
-        step where 1.2 moved before the peak, and the step x2.1)."""
+        known), and then one faster for its length (Note [a copy clock for forwards of any
+        length]): a forward's own copies lengthen it (the host's work for each, a compute stream
+        that waited), and learning from that would give the next forwards more to copy, so longer
+        ones: on an H100 the limit grew to copying everything (2.5 GiB a step where 1.2 moved
+        before the peak, and the step x2.1)."""
         if not seconds or seconds <= 0 or not self.rate or produced <= 0:
             return
         self.timed = True
         if self.reference is None and self.limit != 0 and not self.limited and \
                 self.sent <= CHEAP_SHARE * self.rate * seconds:
             # Note [a forward whose copies are cheap is its own reference]
-            self.reference = seconds
-            self.total = produced
+            self._take_reference(seconds, produced)
         if self.reference is None:
             if self.limit != 0:  # it copied: not a measure of forward alone
                 if self.deferred and self.limit is None:
@@ -200,30 +247,51 @@ class CopyClock:
                     # that copies are released in stream order (released once seen done, they free
                     # nothing before the peak when the host runs ahead of the device).
                     self.ratio, self.total = produced / seconds / self.rate, produced
+                    self._ref_positions = self._positions
                 return
-            self.reference = seconds
-            self.total = produced
+            self._take_reference(seconds, produced)
             self.host_reference = host
         elif self.limit != 0 and self.host_reference is not None and host is not None:
-            self._pace(host)  # a forward that copied, after the reference: Note [the host paces the copies]
-        if seconds <= self.reference:
-            self.reference, self.total = seconds, produced
-        self.ratio = produced / self.reference / self.rate
-        self.limit = int(COPY_SHARE * self.rate * self.reference)
-        if self.host_limit is not None:
-            self.limit = min(self.limit, self.host_limit)
+            self._pace(host, produced)  # a forward that copied, after the reference: Note [the host paces the copies]
+        if seconds * self.total <= self.reference * produced:  # faster for its length
+            self._take_reference(seconds, produced)
+        self.ratio = self.total / self.reference / self.rate
+        self.engine = COPY_SHARE * self.rate * self.reference
+        self.limit = int(self.engine if self.host_cost is None else min(self.engine, self._host_allows(1.0)))
 
-    def _pace(self, host: float) -> None:
-        """Note [the host paces the copies]: the last forward copied ``sent`` bytes in ``host``
-        seconds of the host's time; the bytes the next may copy, for the host's time to stay within
-        ``HOST_STRETCH`` of the longer of the reference's device and host times."""
-        engine = int(COPY_SHARE * self.rate * self.reference)
-        target = max(self.reference, self.host_reference) * (1 + HOST_STRETCH)
-        over, room = host - self.host_reference, target - self.host_reference
-        scale = 1.25 if over <= 0 else min(1.25, room / over)  # the host's time taken as linear in the copies
-        now = engine if self.host_limit is None else self.host_limit
-        if host > target:
-            now = int(self.sent * scale)
-        else:
-            now = max(now, int(self.sent * scale))
-        self.host_limit = min(engine, max(now, int(PROBE_SHARE * engine)))
+    def _take_reference(self, seconds: float, produced: int) -> None:
+        if self.total and self.host_cost is not None:  # the host's measures, at the new length
+            f = produced / self.total
+            self.host_cost, self.host_grow, self.host_floor = self.host_cost / f, self.host_grow * f, self.host_floor * f
+        self.reference, self.total, self._ref_positions = seconds, produced, self._positions
+
+    def _limit_at(self, size: float) -> float:
+        """The bytes this forward may copy, at ``size`` times the reference's length."""
+        if self.host_cost is None or not self.limit or not self.engine:
+            return self.limit * size
+        return min(self.engine, self._host_allows(size)) * size
+
+    def _host_allows(self, size: float) -> float:
+        """What the host's pace allows a forward ``size`` times the reference's length to copy, in
+        bytes at the reference's length (Note [the host paces the copies])."""
+        room = max(self.reference * size, self.host_reference) * (1 + HOST_STRETCH) - self.host_reference
+        by_cost = room / self.host_cost if self.host_cost > 0 else float("inf")
+        grow = self.host_grow * max(1.0, room / self.host_room) if self.host_room > 0 else self.host_grow
+        return max(self.host_floor, min(grow, by_cost), PROBE_SHARE * self.engine)
+
+    def _pace(self, host: float, produced: int) -> None:
+        """Note [the host paces the copies]: the last forward (``produced`` bytes) copied ``sent``
+        bytes in ``host`` seconds of the host's time: the host's seconds per byte copied (in
+        bytes at the reference's length: a copy costs the host the same at any length), and what
+        the next may copy to stay within ``HOST_STRETCH`` of the longer of the host's time without
+        copies (the reference's: the same saves and kernels at any length) and its own device
+        time (the reference's, scaled by its length)."""
+        size = produced / self.total if self.total else 1.0
+        sent = self.sent / size
+        target = max(self.reference * size, self.host_reference) * (1 + HOST_STRETCH)
+        over = host - self.host_reference
+        allowed = self.engine if self.host_cost is None else min(self.engine, self._host_allows(size))
+        self.host_cost = over / sent if over > 0 and sent > 0 else 0.0
+        self.host_grow = 1.25 * sent  # the host's time taken as linear in the copies: checked again
+        self.host_room = target - self.host_reference  # ... as far as a forward with more room allows
+        self.host_floor = allowed if host <= target else 0.0
