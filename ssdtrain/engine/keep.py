@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ssdtrain.engine import device
+from ssdtrain.device import cuda as device
 from ssdtrain.config import OffloadConfig
 
 __all__ = ["as_is", "alias", "no_offload"]

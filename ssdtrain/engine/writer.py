@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from functools import partial
 from typing import Any
 
-from ssdtrain.engine import device
+from ssdtrain.device import cuda as device
 from ssdtrain.engine.cache import Cache, Entry, State
 from ssdtrain.store import Backend, on_drive
 from ssdtrain.store._mem import profiled

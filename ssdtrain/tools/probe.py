@@ -333,7 +333,7 @@ def host_rates(size_bytes: int = 256 << 20, repeats: int = 3) -> dict:
     timed with events. ``{"device": None, "why": ...}`` where there is no CUDA device."""
     import torch
 
-    from ssdtrain.host.host_copies import timed_copies
+    from ssdtrain.device.measure import timed_copies
 
     if not torch.cuda.is_available():
         return {"device": None, "why": "no CUDA device"}
