@@ -28,7 +28,7 @@ from ssdtrain.device import cuda as device
 from ssdtrain.engine import hooks, keep
 from ssdtrain.engine.cache import Cache, Entry
 from ssdtrain.config import OffloadConfig
-from ssdtrain.tools.endurance import EnduranceMonitor
+from ssdtrain.store.endurance import EnduranceMonitor
 from ssdtrain.engine.peak import DriveMeter, PeakClock
 from ssdtrain.engine.schedule import DriveAdvice, KeepPolicy, ReadWindow, Scope, Scopes, WriteBudget, find_blocks
 from ssdtrain.engine.stats import Counters, OffloadStats

@@ -27,8 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from ssdtrain.tools import endurance
-from ssdtrain.store import _fs
+from ssdtrain.store import _fs, endurance
 
 __all__ = ["ProbeResult", "probe_path", "main"]
 
