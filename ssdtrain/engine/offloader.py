@@ -22,10 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ssdtrain import sac
 from ssdtrain.device import copies, measure
 from ssdtrain.device import cuda as device
-from ssdtrain.engine import hooks, keep
+from ssdtrain.engine import hooks, keep, sac_probe
 from ssdtrain.engine.cache import Cache, Entry
 from ssdtrain.config import OffloadConfig
 from ssdtrain.store.endurance import EnduranceMonitor
@@ -125,7 +124,7 @@ class Offloader(hooks.SaveHooks):
         self._layer_stack: list[int] = []
         self._keep_depth = [0]
         self._sac_told = False  # Note [SAC without the switch is told]
-        self._sac_probe = partial(sac.warn_unswitched, self) if sac.has_switch() else None
+        self._sac_probe = partial(sac_probe.warn_unswitched, self) if sac_probe.has_switch() else None
         self._nested = 0  # ``with off:`` blocks open inside another of ours: Note [nested blocks are one]
         self._pinned: frozenset[int] = frozenset()
         self._reads_pending = False  # a scope in backward may still read ahead (Offloader._read_on)
