@@ -1,4 +1,4 @@
-"""ssdtrain/engine/device.py on a machine without a GPU: host tensors pass through untouched, nothing
+"""ssdtrain/device/cuda.py on a machine without a GPU: host tensors pass through untouched, nothing
 initialises CUDA, and the driver-stream code reports a driver it cannot use. The CUDA branches
 themselves are tested in tests/gpu/test_gpu_device.py."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from _fake_cuda import build_stand_in
 
-from ssdtrain.engine import device
+from ssdtrain.device import cuda as device
 
 
 def test_host_tensors_need_no_fences():
@@ -78,7 +78,7 @@ def test_order_calls_a_plain_callable_and_skips_none():
 def test_capturing_never_initialises_cuda():
     code = textwrap.dedent("""
         import torch
-        from ssdtrain.engine import device
+        from ssdtrain.device import cuda as device
         calls = []
         torch.cuda._lazy_init = lambda: calls.append("init")
         assert device.capturing() is False
@@ -121,7 +121,7 @@ def test_a_thread_gives_its_stream_back_when_it_ends(tmp_path):
 
 
 def test_order_once_skips_only_a_repeat_of_the_last_fence_and_stream():
-    from ssdtrain.host.host_copies import OrderOnce
+    from ssdtrain.device.copies import OrderOnce
     calls = []
 
     class Fence:

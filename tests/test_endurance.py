@@ -1,4 +1,4 @@
-"""Endurance projection (ssdtrain/tools/endurance.py) with a fake clock."""
+"""Endurance projection (ssdtrain/store/endurance.py) with a fake clock."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import ssdtrain
-from ssdtrain.tools import endurance
 from ssdtrain.config import OffloadConfig
-from ssdtrain.tools.endurance import EnduranceMonitor
+from ssdtrain.store import endurance
+from ssdtrain.store.endurance import EnduranceMonitor
 from ssdtrain.store.posix import PosixBackend
 from ssdtrain.store.throttle import ThrottledBackend
 

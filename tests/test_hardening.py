@@ -287,7 +287,7 @@ def test_soak_stays_flat(off_dir):
 
 
 def test_endurance_warning_once(off_dir, monkeypatch):
-    import ssdtrain.tools.endurance as endurance
+    import ssdtrain.store.endurance as endurance
 
     real = endurance.EnduranceMonitor.__init__
     monkeypatch.setattr(endurance.EnduranceMonitor, "__init__",

@@ -13,7 +13,7 @@ CHECK = textwrap.dedent("""
     handlers, level = list(logging.root.handlers), logging.root.level
     hooks_before = torch._C._autograd._top_saved_tensors_default_hooks(False)
     import ssdtrain, ssdtrain.engine.offloader, ssdtrain.engine.cache, ssdtrain.store.posix, ssdtrain.store.memory
-    import ssdtrain.engine.schedule, ssdtrain.engine.stats, ssdtrain.engine.device, ssdtrain.cli, ssdtrain.integrations
+    import ssdtrain.engine.schedule, ssdtrain.engine.stats, ssdtrain.device.cuda, ssdtrain.cli, ssdtrain.integrations
     assert logging.root.handlers == handlers and logging.root.level == level, "logging was configured"
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) == hooks_before, "hooks installed"
     for heavy in ("deepspeed", "megatron", "kvikio", "nvidia.dali", "matplotlib"):

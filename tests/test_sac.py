@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import ssdtrain
-from ssdtrain import sac
+from ssdtrain.engine.sac_probe import has_switch
 
 HIDDEN, SEQ, BATCH, BLOCKS = 256, 256, 8, 4
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
@@ -113,7 +113,7 @@ def _told_unswitched():
     """Plain SAC inside ``with off:``: on a torch with ``respect_saved_tensors_hooks`` unset, torch
     warns (FutureWarning) and so does ssdtrain, once, naming the fix (Note [SAC without the switch
     is told]); on an older torch neither does."""
-    if not sac.has_switch():
+    if not has_switch():
         yield
         return
     with pytest.warns(FutureWarning, match="respect_saved_tensors_hooks"):
@@ -121,7 +121,7 @@ def _told_unswitched():
             yield
 
 
-@pytest.mark.skipif(not sac.has_switch(), reason="torch < 2.14 has no respect_saved_tensors_hooks")
+@pytest.mark.skipif(not has_switch(), reason="torch < 2.14 has no respect_saved_tensors_hooks")
 def test_plain_sac_with_torchs_switch_is_written_and_exact(off_dir):
     """torch >= 2.14: the user's own SAC with ``respect_saved_tensors_hooks=True`` inside ``with
     off:`` goes through ssdtrain's hooks: no warning, what SAC keeps written, gradients exact."""

@@ -455,10 +455,10 @@ def test_the_reference_forward_waits_for_room(off_dir, tier_on_cpu, monkeypatch)
     copies as before (and says so once), meanwhile with due positions from the forward before, and
     is measured once there is room."""
     room = {"bytes": 0}
-    monkeypatch.setattr(offloader_mod.host_copies, "GpuTimer", _TenMsTimer)
-    monkeypatch.setattr(offloader_mod.host_copies, "room_above_peak", lambda *args: room["bytes"])
-    monkeypatch.setattr(offloader_mod.host_copies, "allocator_peak", lambda dev: 0)
-    monkeypatch.setattr(offloader_mod.host_copies, "allocated", lambda dev: 0)
+    monkeypatch.setattr(offloader_mod.measure, "GpuTimer", _TenMsTimer)
+    monkeypatch.setattr(offloader_mod.measure, "room_above_peak", lambda *args: room["bytes"])
+    monkeypatch.setattr(offloader_mod.measure, "allocator_peak", lambda dev: 0)
+    monkeypatch.setattr(offloader_mod.measure, "allocated", lambda dev: 0)
     model, loss_fn, base, off, steps = _tier_setup(off_dir)
     clock = off._tier.clock
 
@@ -502,10 +502,10 @@ def test_an_offloader_whose_copies_are_cheap_never_keeps_a_forward_on_the_device
     class LongForward(_TenMsTimer):
         def seconds(self):
             return 10.0
-    monkeypatch.setattr(offloader_mod.host_copies, "GpuTimer", LongForward)
-    monkeypatch.setattr(offloader_mod.host_copies, "allocated", lambda dev: 0)
-    monkeypatch.setattr(offloader_mod.host_copies, "allocator_peak", lambda dev: 0)
-    monkeypatch.setattr(offloader_mod.host_copies, "room_above_peak", lambda *args: 1 << 40)  # room: not asked
+    monkeypatch.setattr(offloader_mod.measure, "GpuTimer", LongForward)
+    monkeypatch.setattr(offloader_mod.measure, "allocated", lambda dev: 0)
+    monkeypatch.setattr(offloader_mod.measure, "allocator_peak", lambda dev: 0)
+    monkeypatch.setattr(offloader_mod.measure, "room_above_peak", lambda *args: 1 << 40)  # room: not asked
     model, loss_fn, base, off, steps = _tier_setup(off_dir)
     clock = off._tier.clock
     try:
@@ -535,10 +535,10 @@ def test_the_reference_forward_judges_room_by_the_peak_seen_in_backward(off_dir,
     def allocator_peak(dev):
         looks.append(mem["peak"])
         return mem["peak"]
-    monkeypatch.setattr(offloader_mod.host_copies, "GpuTimer", _TenMsTimer)
-    monkeypatch.setattr(offloader_mod.host_copies, "device_limit", lambda dev: 8 * GiB)
-    monkeypatch.setattr(offloader_mod.host_copies, "allocator_peak", allocator_peak)
-    monkeypatch.setattr(offloader_mod.host_copies, "allocated", lambda dev: mem["now"])
+    monkeypatch.setattr(offloader_mod.measure, "GpuTimer", _TenMsTimer)
+    monkeypatch.setattr(offloader_mod.measure, "device_limit", lambda dev: 8 * GiB)
+    monkeypatch.setattr(offloader_mod.measure, "allocator_peak", allocator_peak)
+    monkeypatch.setattr(offloader_mod.measure, "allocated", lambda dev: mem["now"])
     model, loss_fn, base, off, steps = _tier_setup(off_dir)
     clock = off._tier.clock
 
@@ -736,33 +736,33 @@ def test_copies_to_the_pool_call_the_runtime_directly_and_fall_back_to_torch(mon
     torch) and leaves the runtime unused from then on."""
     import contextlib
 
-    from ssdtrain.host import host_copies
+    from ssdtrain.device import copies
 
     calls = []
     fences = []
-    monkeypatch.setattr(host_copies, "_on", lambda dev: contextlib.nullcontext())
-    monkeypatch.setattr(host_copies, "side_stream", lambda dev: _Stream())
-    monkeypatch.setattr(host_copies, "Fence", lambda stream: fences.append(stream) or "landed")
-    monkeypatch.setattr(host_copies, "_FENCE", _Fence)
+    monkeypatch.setattr(copies, "_on", lambda dev: contextlib.nullcontext())
+    monkeypatch.setattr(copies, "side_stream", lambda dev: _Stream())
+    monkeypatch.setattr(copies, "Fence", lambda stream: fences.append(stream) or "landed")
+    monkeypatch.setattr(copies, "_FENCE", _Fence)
     rt = _Runtime(calls)
-    monkeypatch.setattr(host_copies, "_runtime", rt)
+    monkeypatch.setattr(copies, "_runtime", rt)
     srcs = [torch.zeros(n, dtype=torch.uint8) for n in (100, 200, 300)]
     first, second = _Fence(0xA1), _Fence(0xA2)
-    assert host_copies.queue_to_host([0x10000, 0x20000, 0x30000], srcs, [first, first, second]) == "landed"
+    assert copies.queue_to_host([0x10000, 0x20000, 0x30000], srcs, [first, first, second]) == "landed"
     assert calls == [("wait", 0x5000, 0xA1, 0), ("wait", 0x5000, 0xA2, 0)] + [
         ("copy", a, s.data_ptr(), s.nbytes, 4, 0x5000) for a, s in zip((0x10000, 0x20000, 0x30000), srcs)]
     assert len(fences) == 1 and isinstance(fences[0], _Stream)
     calls.clear()  # a ready that is not a fence (a host wait): torch's way
-    assert host_copies.queue_to_host([0x10000], srcs[:1], [lambda: None]) is None and calls == []
+    assert copies.queue_to_host([0x10000], srcs[:1], [lambda: None]) is None and calls == []
 
     calls.clear()
     rt.fail = 700
-    with caplog.at_level("WARNING", logger="ssdtrain.host.host_copies"):
-        assert host_copies.queue_to_host([0x10000], srcs[:1], [None]) is None
+    with caplog.at_level("WARNING", logger="ssdtrain.device.copies"):
+        assert copies.queue_to_host([0x10000], srcs[:1], [None]) is None
     assert calls[-1] == ("clear",) and "illegal memory access" in caplog.text
-    assert host_copies._cudart() is None  # torch's way from now on
+    assert copies._cudart() is None  # torch's way from now on
     calls.clear()
-    assert host_copies.queue_to_host([0x10000], srcs[:1], [None]) is None and calls == []
+    assert copies.queue_to_host([0x10000], srcs[:1], [None]) is None and calls == []
 
 
 def test_copies_back_to_the_device_call_the_runtime_directly(monkeypatch):
@@ -772,7 +772,7 @@ def test_copies_back_to_the_device_call_the_runtime_directly(monkeypatch):
     tied to that stream; a ready that is not a fence (a host wait) leaves them to torch."""
     import contextlib
 
-    from ssdtrain.host import host_copies
+    from ssdtrain.device import copies
 
     calls = []
 
@@ -788,28 +788,28 @@ def test_copies_back_to_the_device_call_the_runtime_directly(monkeypatch):
             self.streams.append(stream)
 
     side = _Stream()
-    monkeypatch.setattr(host_copies, "_on", lambda dev: contextlib.nullcontext())
-    monkeypatch.setattr(host_copies, "side_stream", lambda dev: side)
-    monkeypatch.setattr(host_copies, "Fence", lambda stream: _Fence(0xF0, stream))
-    monkeypatch.setattr(host_copies, "_FENCE", _Fence)
-    monkeypatch.setattr(host_copies, "_runtime", _Runtime(calls))
+    monkeypatch.setattr(copies, "_on", lambda dev: contextlib.nullcontext())
+    monkeypatch.setattr(copies, "side_stream", lambda dev: side)
+    monkeypatch.setattr(copies, "Fence", lambda stream: _Fence(0xF0, stream))
+    monkeypatch.setattr(copies, "_FENCE", _Fence)
+    monkeypatch.setattr(copies, "_runtime", _Runtime(calls))
     dsts = [Buffer(0x90000, 100), Buffer(0xA0000, 300)]
     alloc, landed = _Fence(0xA1), _Fence(0xA2)
-    fence = host_copies.queue_to_device(dsts, [0x10000, 0x20000], [alloc, landed, landed])
+    fence = copies.queue_to_device(dsts, [0x10000, 0x20000], [alloc, landed, landed])
     assert isinstance(fence, _Fence) and fence.stream is side
     assert calls == [("wait", 0x5000, 0xA1, 0), ("wait", 0x5000, 0xA2, 0),
                      ("copy", 0x90000, 0x10000, 100, 4, 0x5000), ("copy", 0xA0000, 0x20000, 300, 4, 0x5000)]
     assert [d.streams for d in dsts] == [[side], [side]]
 
     calls.clear()
-    assert host_copies.queue_to_device(dsts, [0x10000, 0x20000], [alloc, lambda: None]) is None
+    assert copies.queue_to_device(dsts, [0x10000, 0x20000], [alloc, lambda: None]) is None
     assert calls == [] and [d.streams for d in dsts] == [[side], [side]]
 
 
 def test_no_runtime_calls_where_native_code_is_disabled(monkeypatch):
-    from ssdtrain.host import host_copies
+    from ssdtrain.device import copies
     monkeypatch.setenv("SSDTRAIN_NO_EXT", "1")
-    assert host_copies._load_cudart() is None
+    assert copies._load_cudart() is None
 
 
 def test_the_runtime_called_is_the_one_torch_was_built_with(monkeypatch):
@@ -818,10 +818,10 @@ def test_the_runtime_called_is_the_one_torch_was_built_with(monkeypatch):
     import ctypes
     import io
 
-    from ssdtrain.host import host_copies
+    from ssdtrain.device import copies
     maps = ("7f00-7f01 r-xp 0 00:00 1 /site/nvidia/cu12/lib/libcudart.so.12\n"
             "7f02-7f03 r-xp 0 00:00 2 /site/nvidia/cu13/lib/libcudart.so.13\n")
-    monkeypatch.setattr(host_copies, "open", lambda path: io.StringIO(maps), raising=False)
+    monkeypatch.setattr(copies, "open", lambda path: io.StringIO(maps), raising=False)
     opened = []
 
     class Lib:
@@ -832,9 +832,9 @@ def test_the_runtime_called_is_the_one_torch_was_built_with(monkeypatch):
     monkeypatch.setattr(ctypes, "CDLL", Lib)
     monkeypatch.delenv("SSDTRAIN_NO_EXT", raising=False)
     monkeypatch.setattr(torch.version, "cuda", "13.0")
-    assert isinstance(host_copies._load_cudart(), Lib) and opened == ["/site/nvidia/cu13/lib/libcudart.so.13"]
+    assert isinstance(copies._load_cudart(), Lib) and opened == ["/site/nvidia/cu13/lib/libcudart.so.13"]
     monkeypatch.setattr(torch.version, "cuda", None)
-    assert host_copies._load_cudart() is None and len(opened) == 1
+    assert copies._load_cudart() is None and len(opened) == 1
 
 
 def test_a_safe_point_drains_for_a_lagging_copy_only_once_it_may_go(off_dir, tier_on_cpu, monkeypatch):

@@ -8,7 +8,7 @@ queues a copy (``Tensor.copy_`` does not release it), so the training thread wai
 issuing, side by side in one process, alternated over rounds:
 
 * ``alone``: no copies (the reference);
-* ``torch``: as ``host_copies.queue_copies`` does: ``torch.cuda.stream`` context, ``copy_``
+* ``torch``: as ``ssdtrain.device.copies.queue_copies`` does: ``torch.cuda.stream`` context, ``copy_``
   with ``non_blocking=True``, one event recorded after each batch;
 * ``ctypes`` (CUDA only): ``cudaMemcpyAsync`` and ``cudaEventRecord`` called through ctypes on
   the ``libcudart`` torch loaded, which releases the GIL during each call.

@@ -46,8 +46,8 @@ import time
 import torch
 
 import ssdtrain
-from ssdtrain.host import host_copies
 from ssdtrain.bench.models import GPT, GPTConfig
+from ssdtrain.device import copies
 from ssdtrain.engine.hooks import SaveHooks
 
 VARIANTS = ("recompute", "tier", "tier_torch", "tier_si")
@@ -108,20 +108,20 @@ def main(argv=None) -> int:
             offs[v] = ssdtrain.Offloader(model, min_bytes=0, **path)
             offs[v]._tier.clock._pace = lambda host: None  # every block input it may copy
     hooks, unpacks = HookTimer("_pack"), HookTimer("_unpack")
-    runtime = host_copies._cudart()  # loaded once CUDA is up (torch's libcudart); None: none found
+    runtime = copies._cudart()  # loaded once CUDA is up (torch's libcudart); None: none found
     switch = sys.getswitchinterval()
 
     @contextlib.contextmanager
     def variant(v):
         if v == "tier_torch":
-            host_copies._runtime = False
+            copies._runtime = False
         if v == "tier_si":
             sys.setswitchinterval(5e-5)
         try:
             with offs[v] if v in offs else contextlib.nullcontext():
                 yield
         finally:
-            host_copies._runtime = runtime if runtime is not None else False
+            copies._runtime = runtime if runtime is not None else False
             sys.setswitchinterval(switch)
 
     rows: dict[str, list[dict]] = {v: [] for v in variants}

@@ -1,6 +1,6 @@
 """The bench's device: which one ``--device`` means, its clock, and its memory counters.
 
-The one module of the bench that calls ``torch.cuda`` (the engine's is ``ssdtrain/engine/device.py``).
+The one module of the bench that calls ``torch.cuda`` (the engine's are in ``ssdtrain/device/``).
 On the CPU every function here is a no-op or plain ``perf_counter``; nothing initialises CUDA
 unless a CUDA device was asked for (``auto`` asks ``torch.cuda.is_available``, which creates no
 context).

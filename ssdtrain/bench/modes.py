@@ -12,7 +12,7 @@
   holds: a check on the hooks' overhead, not a way to save memory there.
 
 The model's device (its parameters') is the mode's: the offloader follows the tensors it is
-given (``ssdtrain/engine/device.py``), built as a GPU user builds it, ``Offloader(model, path=...)``.
+given (``ssdtrain/device/cuda.py``), built as a GPU user builds it, ``Offloader(model, path=...)``.
 """
 
 from __future__ import annotations

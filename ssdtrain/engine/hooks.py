@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
-from ssdtrain.engine import device, keep
-from ssdtrain.host import host_copies
+from ssdtrain.device import cuda as device
+from ssdtrain.device import measure
+from ssdtrain.engine import keep
 from ssdtrain.engine.cache import Entry, Parts, Ref, Small, State, byte_span, entry_span, rebuild
 from ssdtrain.engine.peak import possible_bytes
 from ssdtrain.engine.schedule import Scope
@@ -127,7 +128,7 @@ class SaveHooks:
             if self._fwd_dev is None and cuda:
                 self._fwd_dev = e.device  # forwards are timed on it from the next one on
                 # near this forward's start: Note [the step's peak, seen in backward]
-                self._start_alloc = host_copies.allocated(e.device) - n
+                self._start_alloc = measure.allocated(e.device) - n
         late = not tier and not self._peak.fits(n, self._writer.queued_bytes, _now())
         choice = self._policy.decide(n, layer, self._writer.has_room(n), budget=self._tier.clock if tier else None,
                                      late=late)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ssdtrain.engine import device
+from ssdtrain.device import cuda as device
 from ssdtrain.config import OffloadConfig
 
 __all__ = ["as_is", "alias", "no_offload"]
@@ -59,7 +59,7 @@ def untraced(hook: Any) -> Any:
 class PackHook(partial):
     """The pack hook as it is pushed: ``func`` (the offloader's pack, called at C speed), with
     the offloader as ``__self__`` (``Scopes.opened_by``), and ``probe()`` run when torch asks it
-    whether it is checkpoint's own hook (Note [SAC without the switch is told] in ``sac.py``)."""
+    whether it is checkpoint's own hook (Note [SAC without the switch is told] in ``sac_probe.py``)."""
 
     def __getattr__(self, name: str) -> Any:
         if name == "_checkpoint_internal":

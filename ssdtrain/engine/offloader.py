@@ -22,12 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ssdtrain import sac
-from ssdtrain.engine import device, hooks, keep
-from ssdtrain.host import host_copies
+from ssdtrain.device import copies, measure
+from ssdtrain.device import cuda as device
+from ssdtrain.engine import hooks, keep, sac_probe
 from ssdtrain.engine.cache import Cache, Entry
 from ssdtrain.config import OffloadConfig
-from ssdtrain.tools.endurance import EnduranceMonitor
+from ssdtrain.store.endurance import EnduranceMonitor
 from ssdtrain.engine.peak import DriveMeter, PeakClock
 from ssdtrain.engine.schedule import DriveAdvice, KeepPolicy, ReadWindow, Scope, Scopes, WriteBudget, find_blocks
 from ssdtrain.engine.stats import Counters, OffloadStats
@@ -84,8 +84,8 @@ class Offloader(hooks.SaveHooks):
         # tests/test_import.py); the tier starts only at the first CUDA save.
         if config.host_bytes != 0 and (torch.backends.cuda.is_built() or "cpu" in _TIER_DEVICES):
             self._backend = self._tier = TieredBackend(self._backend, config.host_bytes)
-        self._fwd_timer: host_copies.GpuTimer | None = None
-        self._ordered = host_copies.OrderOnce()  # the compute stream after a released save's copy (_copy_due)
+        self._fwd_timer: measure.GpuTimer | None = None
+        self._ordered = copies.OrderOnce()  # the compute stream after a released save's copy (_copy_due)
         self._fwd_dev: torch.device | None = None
         self._seen_peak = 0  # the allocator's peak seen in the last backward (Note [the step's peak, seen in backward])
         self._start_alloc: int | None = None  # bytes allocated as the last forward began (the same Note)
@@ -124,7 +124,7 @@ class Offloader(hooks.SaveHooks):
         self._layer_stack: list[int] = []
         self._keep_depth = [0]
         self._sac_told = False  # Note [SAC without the switch is told]
-        self._sac_probe = partial(sac.warn_unswitched, self) if sac.has_switch() else None
+        self._sac_probe = partial(sac_probe.warn_unswitched, self) if sac_probe.has_switch() else None
         self._nested = 0  # ``with off:`` blocks open inside another of ours: Note [nested blocks are one]
         self._pinned: frozenset[int] = frozenset()
         self._reads_pending = False  # a scope in backward may still read ahead (Offloader._read_on)
@@ -377,7 +377,7 @@ class Offloader(hooks.SaveHooks):
         room = True
         if clock.wants_reference() and self._fwd_dev is not None:  # Note [the reference forward needs room]
             need = REFERENCE_ROOM * clock.sent + REFERENCE_SLACK
-            room = not clock.sent or host_copies.room_above_peak(self._fwd_dev, self._seen_peak,
+            room = not clock.sent or measure.room_above_peak(self._fwd_dev, self._seen_peak,
                                                                  self._start_alloc) >= need
             if not room and not clock.deferred:
                 warnings.warn(
@@ -388,9 +388,9 @@ class Offloader(hooks.SaveHooks):
         clock.begin(room)
         self._seen_peak = self._unpacks = 0
         if self._fwd_dev is not None and clock.reference is None:
-            self._start_alloc = host_copies.allocated(self._fwd_dev)
+            self._start_alloc = measure.allocated(self._fwd_dev)
         if self._fwd_dev is not None:
-            self._fwd_timer = host_copies.GpuTimer(self._fwd_dev)
+            self._fwd_timer = measure.GpuTimer(self._fwd_dev)
 
     def _see_peak(self) -> None:
         """At an unpack, until the tier has measured a forward copying nothing: remembers the
@@ -400,7 +400,7 @@ class Offloader(hooks.SaveHooks):
         if self._tier.clock.reference is not None or self._fwd_dev is None:
             return  # learned (or no CUDA save yet): nothing to watch, at every unpack from here on
         if self._unpacks % PEAK_EVERY == 0:
-            self._seen_peak = max(self._seen_peak, host_copies.allocator_peak(self._fwd_dev))
+            self._seen_peak = max(self._seen_peak, measure.allocator_peak(self._fwd_dev))
         self._unpacks += 1
 
     # Note [the step's peak, seen in backward]: whether a forward copying nothing fits is judged

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from ssdtrain.engine import device
-from ssdtrain.host import host_copies
+from ssdtrain.device import copies
+from ssdtrain.device import cuda as device
 from ssdtrain.engine.cache import Cache, Entry, Ref, rebuild
 from ssdtrain.engine.schedule import ReadWindow, Scope, WriteBudget
 from ssdtrain.store import Backend, StorageError, on_drive
@@ -37,7 +37,7 @@ class Reader:
         self._max_layers = max_layers
         self._clock = clock
         self._many = getattr(backend, "submit_reads", None)  # Note [tier reads are issued a batch at a time]
-        self._ordered = host_copies.OrderOnce()  # the consumer's stream after a tier copy back
+        self._ordered = copies.OrderOnce()  # the consumer's stream after a tier copy back
 
     def prefetch(self, scope: Scope, layer: int | None) -> None:
         """Reads the entries ``scope`` will need next, as far as the window allows."""

@@ -14,8 +14,8 @@ from typing import Any
 
 from torch import nn
 
+from ssdtrain._units import fmt_bytes
 from ssdtrain.engine.cache import Entry, State
-from ssdtrain.planner.plan_model import _fmt_bytes
 
 __all__ = ["Scope", "Scopes", "KeepPolicy", "ReadWindow", "Tally", "WriteBudget", "find_blocks"]
 
@@ -343,7 +343,7 @@ class DriveAdvice:
             return None
         self.given = True
         return (f"ssdtrain: the drive took {100 * wrote / saved:.1f}% of what the last {self.span} forwards saved "
-                f"({_fmt_bytes(wrote / self.span)} of {_fmt_bytes(saved / self.span)} per forward); the rest stayed in "
+                f"({fmt_bytes(wrote / self.span)} of {fmt_bytes(saved / self.span)} per forward); the rest stayed in "
                 "memory because the drive could not take more before the peak or bring more back in time "
                 "(stats().peak_kept_bytes, budget_kept_bytes, adaptive_keep_bytes), so offloading saves little memory "
                 "here. With activation checkpointing "

@@ -106,7 +106,7 @@ class OffloadStats:
     microbatches: dict[Any, dict[str, Any]] = dataclasses.field(default_factory=dict)
     """Per micro-batch id: the same counters, for that micro-batch's saves."""
     endurance: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """Drive-writes-per-day projection per path (see ``ssdtrain.tools.endurance``)."""
+    """Drive-writes-per-day projection per path (see ``ssdtrain.store.endurance``)."""
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

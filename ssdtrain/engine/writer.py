@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from functools import partial
 from typing import Any
 
-from ssdtrain.engine import device
+from ssdtrain.device import cuda as device
 from ssdtrain.engine.cache import Cache, Entry, State
 from ssdtrain.store import Backend, on_drive
 from ssdtrain.store._mem import profiled
@@ -54,7 +54,7 @@ class WriteQueue:
         verify: checksum each write.
         budget: the :class:`~ssdtrain.engine.schedule.WriteBudget`, told the bytes each step wrote.
         failures: where a failed write's error goes (:class:`WriteFailures`).
-        endurance: the :class:`~ssdtrain.tools.endurance.EnduranceMonitor` counting bytes per drive, if any.
+        endurance: the :class:`~ssdtrain.store.endurance.EnduranceMonitor` counting bytes per drive, if any.
         meter: the :class:`~ssdtrain.engine.peak.DriveMeter` told when drive writes start and finish
             (the host tier's are not the drive's), with ``clock``'s times.
         gate: ``gate(scope, nbytes, now)``, whether a queued drive write may start now

@@ -1,1 +1,1 @@
-"""The host tier: pinned host memory in front of the drives, its copies and the copy clock."""
+"""The host tier: pinned host memory in front of the drives and the copy clock (its copies: ``ssdtrain/device/``)."""

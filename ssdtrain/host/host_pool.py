@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ssdtrain.engine import device
+from ssdtrain.device import cuda as device
 from ssdtrain.store._pool import IOPool
 from ssdtrain.store.allocator import ExtentAllocator
 
@@ -78,7 +78,7 @@ def _host_empty(nbytes: int) -> torch.Tensor:
 
 class HostExtent:
     """A place in the pool. ``length`` 0 and ``path_index`` -1: it holds no drive space.
-    ``landed``: the :class:`~ssdtrain.engine.device.Fence` after its copy in (set on the copy thread
+    ``landed``: the :class:`~ssdtrain.device.cuda.Fence` after its copy in (set on the copy thread
     before the write's future completes); ``due``: the forward position at which that copy is
     predicted done (:class:`~ssdtrain.host.copy_clock.CopyClock`)."""
 

@@ -3,8 +3,8 @@
 PCIe to pinned host memory carries 25-55 GB/s each way on a current GPU (53 GB/s device to host
 on an H100, measured 2026-11-25), 10-20 times one NVMe drive. So a CUDA save's first stop is
 this pool: it leaves the GPU when its copy is due (Note [a tier copy is released in stream
-order] in ``device.py``), comes back from it in backward, and goes to the drives only when the
-pool cannot hold it. CPU tensors never use the tier: they have no device memory to free.
+order] in ``device/copies.py``), comes back from it in backward, and goes to the drives only
+when the pool cannot hold it. CPU tensors never use the tier: they have no device memory to free.
 
 Three pieces, each usable without a GPU (the tests drive them with made-up numbers):
 
@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from ssdtrain.engine import device
-from ssdtrain.host import host_copies
+from ssdtrain.device import copies, measure
+from ssdtrain.device import cuda as device
 from ssdtrain.host.copy_clock import CopyClock
 from ssdtrain.host.host_pool import HostExtent, HostPool, _host_empty, auto_host_bytes
 from ssdtrain.store._pool import IOFuture, IOPool
@@ -107,7 +107,7 @@ class TieredBackend(Backend):
         if mem is None:
             return
         try:
-            self.clock.rate = host_copies.copy_rate(dev, self.pool.view(mem))
+            self.clock.rate = measure.copy_rate(dev, self.pool.view(mem))
         finally:
             self.pool.free(mem)
 
@@ -175,9 +175,9 @@ class TieredBackend(Backend):
             srcs = [src for _, src, _ in part]
             if device.is_cuda(srcs[0]):
                 readys = [ready for _, _, ready in part]
-                fence = host_copies.queue_to_host([self.pool.address(ext) for ext, _, _ in part], srcs, readys)
+                fence = copies.queue_to_host([self.pool.address(ext) for ext, _, _ in part], srcs, readys)
                 if fence is None:
-                    fence = host_copies.queue_copies([self.pool.view(ext) for ext, _, _ in part], srcs, readys)
+                    fence = copies.queue_copies([self.pool.view(ext) for ext, _, _ in part], srcs, readys)
             else:  # the tests' way through the tier: host to host, done at once
                 fence = None
                 for ext, src, ready in part:
@@ -213,9 +213,9 @@ class TieredBackend(Backend):
                 readys = list({id(ready): ready for _, _, ready in part if ready is not None}.values())
                 readys += {id(e.landed): e.landed for e, _, _ in part if e.landed is not None}.values()
                 # Note [reads back are issued without the GIL too]; through torch where they cannot be
-                fence = host_copies.queue_to_device(dsts, [self.pool.address(ext) for ext, _, _ in part], readys)
+                fence = copies.queue_to_device(dsts, [self.pool.address(ext) for ext, _, _ in part], readys)
                 if fence is None:
-                    fence = host_copies.queue_copies(dsts, [self.pool.view(ext) for ext, _, _ in part], readys)
+                    fence = copies.queue_copies(dsts, [self.pool.view(ext) for ext, _, _ in part], readys)
                 for ext, _, _ in part:
                     ext.back = fence
             else:

@@ -85,12 +85,13 @@ import json
 import sys
 from dataclasses import asdict
 
+from ssdtrain._units import fmt_bytes
 from ssdtrain.planner.plan_drive import add_arguments, drive_limited, format_drive, input_fields
 from ssdtrain.planner.plan_longctx import format_long_context, long_context
 from ssdtrain.planner.plan_longest import format_longest, longest
 # Re-exported: the model's names are also this module's (tests and callers use ``plan.Inputs``...).
 from ssdtrain.planner.plan_model import (BYTES_PER_PARAM, DTYPE_BYTES, MODES, OFFLOAD_RESIDENT_LAYERS,  # noqa: F401
-                                 RESERVE_FRACTION, Config, Inputs, _fmt_bytes, _stage_counts, _stage_memory,
+                                 RESERVE_FRACTION, Config, Inputs, _stage_counts, _stage_memory,
                                  activation_bytes_per_layer, best_config, evaluate, head_activation_bytes,
                                  max_micro_batch)
 
@@ -166,7 +167,7 @@ def format_plan(result: dict) -> str:
         f"seq {inp['seq']}, vocab {inp['vocab']}, {inp['dtype']}{arch}",
         f"cluster: {inp['gpus']} GPUs x {inp['gpu_mem_gib']:g} GiB, {inp['tflops']:g} TFLOPS achieved, "
         f"{inp['drives']} x {inp['drive_gbps']:g} GB/s drive(s) per GPU; global batch {inp['global_batch']}",
-        f"activations per layer per sequence: {_fmt_bytes(result['activation_bytes_per_layer'])}"
+        f"activations per layer per sequence: {fmt_bytes(result['activation_bytes_per_layer'])}"
         f"  [{result['activation_formula']}]",
         "",
         f"{'mode':<10} {'max mb':>6} {'stages':>6} {'dp':>4} {'mb':>4} {'#mb':>5} {'bubble':>7} "
@@ -201,7 +202,7 @@ def format_plan(result: dict) -> str:
            f"({full['step_time_s']:.3f}s instead of {full['step_time_s'] - full['stall_s']:.3f}s).")
     )
     lines.append(
-        f"  that is {_fmt_bytes(full['written_bytes_per_step'])} written per GPU per step, "
+        f"  that is {fmt_bytes(full['written_bytes_per_step'])} written per GPU per step, "
         f"{result['drive_writes_per_day']:.2f} drive-writes per day on {inp['drive_tb']:g} TB per GPU"
     )
     lines.append(

@@ -539,15 +539,3 @@ def best_config(inp: Inputs, mode: str) -> Config | None:
             if best is None or key < best[0]:
                 best = (key, cfg)
     return None if best is None else best[1]
-
-
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-

@@ -50,7 +50,7 @@ except (ImportError, OSError) as e:  # a library it links against is missing or 
     raise ImportError(f"kvikio is installed but cannot be imported ({e}); reinstall it for this machine's CUDA: "
                       "pip install 'ssdtrain[kvikio]' (CUDA 13) or 'ssdtrain[kvikio-cu12]'") from e
 
-from ssdtrain.engine import device
+from ssdtrain.device import cuda as device
 from ssdtrain.config import OffloadConfig
 from ssdtrain.store import _fs
 from ssdtrain.store._arena import Arena, ArenaBackend, open_unnamed
@@ -360,7 +360,7 @@ class KvikioBackend(ArenaBackend):
                      ready: Callable[[], None] | None) -> None:
         """Reads into two halves of the pinned staging buffer in turn; each half's copy to the
         device is queued on the side stream behind the fence (Note [reload waits for the
-        allocation point] in device.py), so the drive keeps reading while the copies wait."""
+        allocation point] in device/cuda.py), so the drive keeps reading while the copies wait."""
         n, got = extent.nbytes, 0
         wins = list(windows(n, lead, self.task_size, direct=arena.direct))
         half = max(wn for _, wn, _, _ in wins)

@@ -11,7 +11,7 @@ from concurrent.futures import Future
 
 import torch
 
-from ssdtrain.engine import device
+from ssdtrain.device import cuda as device
 from ssdtrain.config import OffloadConfig
 from ssdtrain.store._mem import host_view
 from ssdtrain.store._pool import IOPool

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from ssdtrain.engine import device
+from ssdtrain.device import cuda as device
 from ssdtrain.config import OffloadConfig
 from ssdtrain.store import _fs
 from ssdtrain.store._arena import Arena, ArenaBackend, open_unnamed

@@ -1,1 +1,1 @@
-"""The tools: ``ssdtrain probe`` and ``ssdtrain selftest``, and the drive-endurance monitor."""
+"""The tools: ``ssdtrain probe`` and ``ssdtrain selftest``."""

@@ -27,8 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from ssdtrain.tools import endurance
-from ssdtrain.store import _fs
+from ssdtrain.store import _fs, endurance
 
 __all__ = ["ProbeResult", "probe_path", "main"]
 
@@ -333,7 +332,7 @@ def host_rates(size_bytes: int = 256 << 20, repeats: int = 3) -> dict:
     timed with events. ``{"device": None, "why": ...}`` where there is no CUDA device."""
     import torch
 
-    from ssdtrain.host.host_copies import timed_copies
+    from ssdtrain.device.measure import timed_copies
 
     if not torch.cuda.is_available():
         return {"device": None, "why": "no CUDA device"}

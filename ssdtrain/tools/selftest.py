@@ -337,7 +337,7 @@ def run(path: str, *, report: Callable[[Check], None] = lambda c: None, overlap_
             if backend == "memory":
                 continue  # no drive: nothing of the drive's I/O path to measure
             add(_timed(f"overlap[{label}]", lambda b=backend, s=setup: _overlap(b, work, s, overlap_seconds)))
-        from ssdtrain.engine import device
+        from ssdtrain.device import cuda as device
 
         add(Check("streams", "PASS", f"I/O side streams: {device.stream_source()}"))
     finally:

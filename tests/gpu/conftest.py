@@ -2,7 +2,7 @@
 
 Run them with ``pytest -m gpu tests/gpu`` on a machine with a GPU. They use the public API
 (``ssdtrain.Offloader``) and, for the races that need exact timing, a backend and the fences of
-``ssdtrain.engine.device`` directly. ``torch.cuda._sleep`` holds a stream for a chosen time, so that a
+``ssdtrain.device.cuda`` directly. ``torch.cuda._sleep`` holds a stream for a chosen time, so that a
 missing fence shows as wrong bytes instead of as luck.
 """
 

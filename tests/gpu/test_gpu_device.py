@@ -1,4 +1,4 @@
-"""ssdtrain/engine/device.py on a GPU: I/O streams of our own, fences that sleep, threads on the right
+"""ssdtrain/device/cuda.py on a GPU: I/O streams of our own, fences that sleep, threads on the right
 device, and an I/O path that does not serialise with compute."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 from _gpu import BACKENDS
 
-from ssdtrain.engine import device
+from ssdtrain.device import cuda as device
 from ssdtrain.tools.selftest import OVERLAP_LIMIT, overlap_ratio
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

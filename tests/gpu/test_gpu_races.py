@@ -11,7 +11,7 @@ import torch
 from _gpu import BACKENDS
 
 import ssdtrain
-from ssdtrain.engine import device
+from ssdtrain.device import cuda as device
 from ssdtrain.config import OffloadConfig
 from ssdtrain.store import make_backend
 

@@ -42,9 +42,9 @@ def test_tier_copies_through_the_runtime_or_torch_are_exact(copies, tmp_path, sl
     # Note [the copy thread issues copies without the GIL], Note [reads back are issued without
     # the GIL too]: the direct calls, both ways, are what runs here (torch's wheels load
     # libcudart), and torch's way, the fallback, is exact as well.
-    from ssdtrain.host import host_copies
+    from ssdtrain.device import copies as device_copies
     if copies == "torch":
-        monkeypatch.setattr(host_copies, "_runtime", False)
+        monkeypatch.setattr(device_copies, "_runtime", False)
     model, xs = _net(torch.bfloat16, sleep, True, 2)
 
     def make():
@@ -52,7 +52,7 @@ def test_tier_copies_through_the_runtime_or_torch_are_exact(copies, tmp_path, sl
 
     s = _exact_over_steps(model, xs, (1, 0), make)
     assert s.host_copied_bytes > 0
-    assert (host_copies._runtime is not False) == (copies == "runtime"), host_copies._runtime
+    assert (device_copies._runtime is not False) == (copies == "runtime"), device_copies._runtime
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -146,7 +146,7 @@ def test_no_step_keeps_everything_where_there_is_no_room(tmp_path, sleep, monkey
     copies what it can, due by the forward before), a warning says so once, gradients exact."""
     from ssdtrain.host import copy_clock
 
-    monkeypatch.setattr(ssdtrain.host.host_copies, "room_above_peak", lambda *args: 0)
+    monkeypatch.setattr(ssdtrain.device.measure, "room_above_peak", lambda *args: 0)
     # These copies (7 ms in a 60 ms forward) are cheap: no forward would be made to copy nothing
     # (the test below). Here every forward's copies count as dear, so the room decides.
     monkeypatch.setattr(copy_clock, "CHEAP_SHARE", 0.0)
@@ -198,18 +198,18 @@ def test_cheap_copies_never_make_a_forward_keep_everything(tmp_path, sleep):
 
 
 def test_room_above_peak_follows_the_peak_and_the_fraction():
-    from ssdtrain.host import host_copies
+    from ssdtrain.device import measure
 
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    before = host_copies.room_above_peak(CUDA)
+    before = measure.room_above_peak(CUDA)
     t = torch.empty(256 << 20, dtype=torch.uint8, device=CUDA)
-    after = host_copies.room_above_peak(CUDA)
+    after = measure.room_above_peak(CUDA)
     assert (200 << 20) <= before - after <= (300 << 20), (before, after)
     total = torch.cuda.get_device_properties(CUDA).total_memory
     try:
         torch.cuda.set_per_process_memory_fraction((torch.cuda.max_memory_allocated() + (1 << 30)) / total, 0)
-        assert host_copies.room_above_peak(CUDA) <= (1 << 30) + (1 << 20)
+        assert measure.room_above_peak(CUDA) <= (1 << 30) + (1 << 20)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, 0)  # an index: torch 2.11 refuses 'cuda'
     del t

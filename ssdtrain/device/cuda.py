@@ -1,8 +1,9 @@
 """Everything that touches ``torch.cuda``: fences between compute and I/O, side streams, pinned memory.
 
-No other module of ssdtrain calls ``torch.cuda`` but ``host_copies.py`` (the host tier's copies
-and timings, built on this one). Nothing here runs at import, and nothing here initialises CUDA
-unless a CUDA tensor is actually being offloaded.
+No other module of ssdtrain calls ``torch.cuda`` but its neighbours in ``ssdtrain/device/``
+(``copies.py`` and ``measure.py``: the host tier's copies and timings, built on this one).
+Nothing here runs at import, and nothing here initialises CUDA unless a CUDA tensor is actually
+being offloaded.
 
 What the engine calls (``ssdtrain/engine/offloader.py``):
 

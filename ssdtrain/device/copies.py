@@ -1,8 +1,7 @@
 """The host tier's device work: copies to and from pinned host memory, queued a batch at a time
-and released in stream order, and the timings the tier learns from (forward's device time, the
-copy engine's rate, the room above the allocator's peak).
+and released in stream order. The timings the tier learns from are in ``measure.py``.
 
-Built on ``device.py`` (fences, side streams); like it, nothing here runs at import or
+Built on ``cuda.py`` (fences, side streams); like it, nothing here runs at import or
 initialises CUDA unless a CUDA tensor is offloaded. GPU-ONLY CODE: run by ``tests/gpu`` and
 ``ssdtrain selftest``; the CPU suite drives the tier's logic with CPU tensors and stand-ins.
 """
@@ -11,17 +10,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import time
 from typing import Any
 
 import torch
 
-from ssdtrain.engine.device import Fence, _on, is_cuda, order, side_stream
+from ssdtrain.device.cuda import Fence, _on, is_cuda, order, side_stream
 
-__all__ = [
-    "queue_copies", "queue_to_host", "queue_to_device", "OrderOnce",
-    "room_above_peak", "device_limit", "allocator_peak", "allocated", "GpuTimer", "timed_copies", "copy_rate",
-]
+__all__ = ["queue_copies", "queue_to_host", "queue_to_device", "OrderOnce"]
 
 log = logging.getLogger(__name__)
 
@@ -197,109 +192,3 @@ class OrderOnce:
         if self.last != (fence, stream):
             self.last = (fence, stream)
             fence.order(stream)
-
-
-def room_above_peak(dev: torch.device, seen: int = 0, since: int | None = None) -> int:
-    """Bytes this process could still allocate on ``dev`` above the last step's peak: ``seen`` (a
-    peak read in that step's backward, before any reset), else the allocator's since its reset.
-    With ``since`` (the bytes allocated as that step began), the peak is its growth above them on
-    top of what is allocated now: memory that came between (the optimizer's state after the first
-    step) counts (Note [the step's peak, seen in backward]). The limit is the device's free memory
-    plus what the caching allocator holds unused, within the per-process fraction if one is set
-    (``set_per_process_memory_fraction``)."""
-    peak = seen or allocator_peak(dev)
-    if since is not None:
-        peak = allocated(dev) + max(0, peak - since)
-    return device_limit(dev) - peak
-
-
-def _index(dev: torch.device) -> int:
-    return torch.cuda.current_device() if dev.index is None else dev.index  # "cuda" alone
-
-
-def device_limit(dev: torch.device) -> int:
-    """The most this process may hold on ``dev``: its free memory plus what the caching allocator
-    holds, within the per-process fraction if one is set."""
-    with _on(dev):
-        index = _index(dev)
-        free, total = torch.cuda.mem_get_info(index)
-        limit = free + torch.cuda.memory_reserved(index)
-        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-        if fraction is not None:  # it refuses a device with no index (torch 2.11, H200 2026-11-27)
-            limit = min(limit, int(total * fraction(index)))
-        return limit
-
-
-def allocator_peak(dev: torch.device) -> int:
-    """The caching allocator's peak of allocated bytes on ``dev`` since its last reset."""
-    with _on(dev):
-        return torch.cuda.max_memory_allocated(_index(dev))
-
-
-def allocated(dev: torch.device) -> int:
-    """The bytes the caching allocator has allocated on ``dev`` now."""
-    with _on(dev):
-        return torch.cuda.memory_allocated(_index(dev))
-
-
-class GpuTimer:
-    """Device time between two points of the training thread's current stream (a forward's
-    start and end), read later without waiting: timing events, never synchronised; and the
-    host's time between the same two points."""
-
-    __slots__ = ("start", "end", "host_start", "host_end")
-
-    def __init__(self, dev: torch.device) -> None:
-        with _on(dev):
-            self.start = torch.cuda.Event(enable_timing=True)
-            self.start.record(torch.cuda.current_stream(dev))
-        self.end: torch.cuda.Event | None = None
-        self.host_start = time.perf_counter()
-        self.host_end: float | None = None
-
-    def stop(self, dev: torch.device) -> None:
-        if self.end is None:
-            with _on(dev):
-                self.end = torch.cuda.Event(enable_timing=True)
-                self.end.record(torch.cuda.current_stream(dev))
-            self.host_end = time.perf_counter()
-
-    def host_seconds(self) -> float | None:
-        """The host's time between the two points (``None`` before the second)."""
-        return None if self.host_end is None else self.host_end - self.host_start
-
-    def seconds(self) -> float | None:
-        """The time between the two points, once the device passed both (else ``None``)."""
-        if self.end is None or not self.end.query():
-            return None
-        return self.start.elapsed_time(self.end) / 1e3
-
-
-def timed_copies(copies: list[tuple[torch.cuda.Stream, torch.Tensor, torch.Tensor]], repeats: int = 3) -> float:
-    """Seconds of the slowest of ``copies`` (``(stream, dst, src)``, queued side by side, each on
-    its stream), the best of ``repeats`` rounds, timed with events."""
-    best = float("inf")
-    for _ in range(repeats):
-        marks = []
-        for stream, dst, src in copies:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(stream):
-                a.record(stream)
-                dst.copy_(src, non_blocking=True)
-                b.record(stream)
-            marks.append((a, b))
-        for _, b in marks:
-            b.synchronize()
-        best = min(best, max(a.elapsed_time(b) for a, b in marks) / 1e3)
-    return max(best, 1e-9)
-
-
-def copy_rate(dev: torch.device, pinned: torch.Tensor) -> float:
-    """Bytes per second of a device-to-host copy into ``pinned`` (at least 64 MiB) on this
-    thread's side stream: the best of three, timed with events. Allocates device memory for it."""
-    n = min(pinned.numel(), 64 << 20)
-    with _on(dev):
-        src = torch.empty(n, dtype=torch.uint8, device=dev)
-        seconds = timed_copies([(side_stream(dev), pinned[:n], src)])
-        del src
-    return n / seconds
