@@ -99,9 +99,11 @@ class OffloadStats:
     spilled_bytes: int = 0
     """Bytes the host tier could not take (full, or still being pinned), sent to the drives or kept."""
     host_copy_limit_bytes: int | None = None
-    """Bytes a forward may copy to the host tier now: what the copy engine moves in a forward's
-    device time, or less where the host sets forward's pace (Note [the host paces the copies] in
-    ``copy_clock.py``); ``None`` while not learned (every save is copied)."""
+    """Bytes a forward of the reference's length may copy to the host tier now: what the copy
+    engine moves in that forward's device time, or less where the host sets forward's pace (Note
+    [the host paces the copies] in ``copy_clock.py``); a forward of another length may copy in
+    proportion (Note [a copy clock for forwards of any length]); ``None`` while not learned (every
+    save is copied)."""
     written_bytes_by_path: dict[str, int] = dataclasses.field(default_factory=dict)
     microbatches: dict[Any, dict[str, Any]] = dataclasses.field(default_factory=dict)
     """Per micro-batch id: the same counters, for that micro-batch's saves."""
