@@ -6,10 +6,10 @@ import json
 import pytest
 
 from ssdtrain.planner import plan as P
-from ssdtrain.planner import plan_drive as D
 from ssdtrain.planner import plan_layer as LY
 from ssdtrain.planner import plan_longctx as LC
 from ssdtrain.planner import plan_model as M
+from ssdtrain.planner import plan_saves as S
 
 GIB = 1 << 30
 KIB = 1 << 10
@@ -38,12 +38,12 @@ def test_llama_block_bytes_params_and_flops():
     flops = LY.layer_forward_flops(inp, s)
     assert flops == 2 * s * 4096 * (2 * 4096 + 2 * 1024 + 3 * 14336) + 2 * s * s * 4096
     # The drive model's saves and FLOPs, op by op, add up to the same block.
-    saves, fwd, _ = D.saves(layers=1, seq=s, hidden=4096, heads=32, vocab=128256, micro_batch=1, dtype_bytes=2,
+    saves, fwd, _ = S.saves(layers=1, seq=s, hidden=4096, heads=32, vocab=128256, micro_batch=1, dtype_bytes=2,
                             flash=True, dropout=True, checkpoint=False, head=False, tflops=1e-12,
                             backward_tflops=1e-12, arch="llama", kv_heads=8, ffn_hidden=14336)
     assert sum(x.nbytes for x in saves) == 8 * s + s * 168_072  # the token ids, then the block
     assert fwd == pytest.approx(flops)
-    assert D.forward_flops(layers=32, seq=s, hidden=4096, vocab=128256, arch="llama", heads=32, kv_heads=8,
+    assert S.forward_flops(layers=32, seq=s, hidden=4096, vocab=128256, arch="llama", heads=32, kv_heads=8,
                            ffn_hidden=14336) == pytest.approx(32 * flops + 2 * s * 4096 * 128256)
 
 
