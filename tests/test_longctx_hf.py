@@ -223,3 +223,29 @@ def test_undo_leaves_the_embeddings_hooks_as_they_were(batch):
     other.remove()
     assert _hooks(embed) == {}
 
+
+def test_the_chunked_loss_names_the_cache_as_transformers_does(batch):
+    """transformers 5.24 renamed a model output's ``past_key_values`` to ``cache``: the old name,
+    given to an output or read from one, still works but logs that it is deprecated (its logger's
+    ``warning_once``, not a Python warning that ``filterwarnings = error`` would catch). The switched
+    forward uses the name of the transformers it runs with (``past_key_values`` before 5.24)."""
+    import logging
+
+    ids, labels = batch
+    model = _model("llama")
+    lc = long_context(model, tile_tokens=TILE, loss_chunk=CHUNK)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("transformers")
+    once = getattr(logging.Logger, "warning_once", None)
+    if hasattr(once, "cache_clear"):
+        once.cache_clear()  # a warning logged before this test would not be logged again
+    log.addHandler(handler)
+    try:
+        out = model(input_ids=ids, labels=labels)
+    finally:
+        log.removeHandler(handler)
+        lc.undo()
+    assert out.logits is None
+    assert not [r.getMessage() for r in records if "deprecated" in r.getMessage()]

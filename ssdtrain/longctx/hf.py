@@ -62,6 +62,7 @@ DeepSpeed ALST's does; the families whose causal-LM forward changes the logits a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from typing import Any
@@ -298,7 +299,8 @@ def _chunk_the_loss(lm: nn.Module, chunk: int) -> Any:
                                shift_labels=extra.get("shift_labels"))
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
-        result = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=out.past_key_values,
+        cache = _cache_field(CausalLMOutputWithPast)
+        result = CausalLMOutputWithPast(loss=loss, logits=None, **{cache: getattr(out, cache, None)},
                                         hidden_states=out.hidden_states, attentions=out.attentions)
         if return_dict is None:
             return_dict = getattr(lm.config, "return_dict", True)
@@ -306,3 +308,9 @@ def _chunk_the_loss(lm: nn.Module, chunk: int) -> Any:
 
     return replace_forward(lm, forward)
 
+
+def _cache_field(output_cls: type) -> str:
+    """The name of a model output's key/value cache: ``cache`` since transformers 5.24, where the
+    old ``past_key_values`` (given to an output or read from one) still works but logs that it is
+    deprecated; ``past_key_values`` before."""
+    return "cache" if "cache" in {f.name for f in dataclasses.fields(output_cls)} else "past_key_values"
