@@ -135,7 +135,7 @@ INSTALL_HINT = {
     "unsloth": "pip install unsloth-zoo unsloth",
     "ssdtrain+tiled": "ssdtrain.longctx.hf is not in this checkout",
 }
-WARMUP_MAX = 5  # as ssdtrain.bench.maxseq: steps while ssdtrain's host tier learns its copy budget
+WARMUP_MAX = 5  # as ssdtrain.bench._maxseq_child: steps while ssdtrain's host tier learns its copy budget
 
 
 # ----------------------------------------------------------------------------------------------
@@ -401,9 +401,9 @@ class Worker:
     def _learning(self) -> bool:
         if self.off is None:
             return False
-        from ssdtrain.bench.maxseq import _learning
+        from ssdtrain.bench._maxseq_child import _learning
 
-        class _Mode:  # what maxseq._learning reads
+        class _Mode:  # what _maxseq_child._learning reads
             off = self.off
 
         return _learning(_Mode)

@@ -67,19 +67,19 @@ def run_round(model, tokens, ops, off, tag, times=None) -> float:
 
 def predicted(args, cfg, forward_s: float, backward_s: float, handoff: int) -> dict:
     """``ssdtrain plan``'s drive model for one micro-batch of this stage, at the measured times."""
-    from ssdtrain.planner import plan_drive
+    from ssdtrain.planner import plan_saves, plan_simulate
 
-    flops = plan_drive.forward_flops(layers=cfg.layers, seq=cfg.seq, hidden=cfg.hidden, vocab=cfg.vocab,
+    flops = plan_saves.forward_flops(layers=cfg.layers, seq=cfg.seq, hidden=cfg.hidden, vocab=cfg.vocab,
                                      micro_batch=args.batch)
-    saves, fwd, bwd = plan_drive.saves(
+    saves, fwd, bwd = plan_saves.saves(
         layers=cfg.layers, seq=cfg.seq, hidden=cfg.hidden, heads=cfg.heads, vocab=cfg.vocab, micro_batch=args.batch,
         dtype_bytes=4, flash=cfg.flash, dropout=False, checkpoint=False, head=True,
         tflops=flops / forward_s / 1e12, backward_tflops=2 * flops / backward_s / 1e12)
     out = {}
     for name, pipelined in (("pipelined", True), ("one step", False)):
-        d = plan_drive.simulate(saves, forward_s=fwd, backward_s=bwd, write_bps=args.drive_mbps * 1e6,
-                                read_bps=args.drive_mbps * 1e6, handoff_bytes=handoff, min_bytes=0,
-                                pipelined=pipelined)
+        d = plan_simulate.simulate(saves, forward_s=fwd, backward_s=bwd, write_bps=args.drive_mbps * 1e6,
+                                   read_bps=args.drive_mbps * 1e6, handoff_bytes=handoff, min_bytes=0,
+                                   pipelined=pipelined)
         out[name] = {"written_mib": d.written_bytes / 2**20, "free_mib": d.free_bytes / 2**20,
                      "capacity_mib": d.capacity_bytes / 2**20}
     return out

@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 
-from ssdtrain.planner import plan_drive
+from ssdtrain.planner import plan_drive, plan_saves, plan_simulate
 from ssdtrain.planner.plan import Inputs
 
 MODES = ("offload", "recompute+offload")
@@ -57,18 +57,18 @@ def run_bench(gbps: float | None, args: argparse.Namespace, out: str) -> dict:
         return json.load(f)
 
 
-def predict(result: dict, mode: str, rate_of: str | None = None) -> tuple[plan_drive.DriveStep, dict]:
+def predict(result: dict, mode: str, rate_of: str | None = None) -> tuple[plan_simulate.DriveStep, dict]:
     """The planner's step for ``mode`` of a bench result, and the Inputs it was given; the compute
     rate is that of mode ``rate_of`` in the same run (default: ``mode`` itself)."""
     m = result["model"]
     ref = result["modes"][rate_of or mode]
     row = result["modes"][mode]
     config = result["offload"][mode]["config"]
-    flops = plan_drive.forward_flops(layers=m["layers"], seq=m["seq"], hidden=m["hidden"], vocab=m["vocab"],
+    flops = plan_saves.forward_flops(layers=m["layers"], seq=m["seq"], hidden=m["hidden"], vocab=m["vocab"],
                                      micro_batch=m["batch"])
     if mode == "recompute+offload":
         # A checkpointed backward includes the layers' recomputation; the planner adds that itself.
-        layers_flops = flops - plan_drive.forward_flops(layers=0, seq=m["seq"], hidden=m["hidden"],
+        layers_flops = flops - plan_saves.forward_flops(layers=0, seq=m["seq"], hidden=m["hidden"],
                                                         vocab=m["vocab"], micro_batch=m["batch"])
         plain_backward = ref["backward_s"] - ref["forward_s"] * layers_flops / flops
         # At a tiny size fixed costs dominate, and backward can come out shorter than that.
@@ -112,7 +112,7 @@ def compare(runs: list[tuple[float | None, dict]], tolerance: float) -> list[dic
             row = result["modes"][mode]
             fall = row["drive"]["peak_fall_bytes"]
             ratio = fall_pred / fall if fall else (1.0 if fall_pred == 0 else float("nan"))
-            largest = max((s.nbytes for s in plan_drive.saves(
+            largest = max((s.nbytes for s in plan_saves.saves(
                 layers=fields["layers"], seq=fields["seq"], hidden=fields["hidden"], heads=fields["heads"],
                 vocab=fields["vocab"], micro_batch=result["model"]["batch"], dtype_bytes=4 if fields["dtype"] == "fp32"
                 else 2, flash=fields["flash"], dropout=fields["dropout"], checkpoint=mode != "offload",

@@ -170,3 +170,82 @@ def test_refuses_other_families():
     config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=32)
     with pytest.raises(ValueError, match="supports the causal LMs"):
         long_context(transformers.GPT2LMHeadModel(config))
+
+
+def _hooks(module: torch.nn.Module) -> dict:
+    return dict(module._forward_hooks)
+
+
+# peft 0.21 still asks transformers 5 for the deprecated name.
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_undo_leaves_the_embeddings_hooks_as_they_were(batch):
+    """Note [undo leaves the embeddings' hooks as they were]: switched, then PEFT (which hooks the
+    embeddings again because checkpointing is on), then undone: the embeddings have the hooks of a
+    LoRA model never switched (none), so their output no longer requires grad; hooks that were
+    there before the switch stay, with transformers' record of them, and so does any other hook."""
+    peft = pytest.importorskip("peft")
+    ids, _ = batch
+
+    def lora(model):
+        torch.manual_seed(3)
+        cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+        return peft.get_peft_model(model, cfg)
+
+    never = lora(_model("llama"))
+    assert _hooks(never.get_input_embeddings()) == {}
+
+    model = _model("llama")  # a plain model: switched and undone
+    embed = model.get_input_embeddings()
+    long_context(model).undo()
+    assert _hooks(embed) == {} and not model.__dict__.get("_require_grads_hooks")
+
+    model = _model("llama")
+    embed = model.get_input_embeddings()
+    lc = long_context(model)
+    peft_model = lora(model)
+    assert len(_hooks(embed)) == 2  # transformers' (checkpointing on) and PEFT's
+    lc.undo()
+    assert _hooks(embed) == _hooks(never.get_input_embeddings()) == {}
+    assert not model.__dict__.get("_require_grads_hooks") and "_require_grads_hook" not in model.__dict__
+    assert not peft_model.get_input_embeddings()(ids).requires_grad
+
+    model = _model("llama")  # the user's own hooks, before and during the switch
+    embed = model.get_input_embeddings()
+    model.enable_input_require_grads()
+    before, record = _hooks(embed), list(model._require_grads_hooks)
+    lc = long_context(model)
+    lora(model)
+    other = embed.register_forward_hook(lambda module, args, output: None)
+    lc.undo()
+    assert _hooks(embed) == {**before, other.id: other.hooks_dict_ref()[other.id]}
+    assert model._require_grads_hooks == record and model._require_grads_hook is record[0]
+    model.disable_input_require_grads()  # transformers' record still removes the user's hook
+    other.remove()
+    assert _hooks(embed) == {}
+
+
+def test_the_chunked_loss_names_the_cache_as_transformers_does(batch):
+    """transformers 5.24 renamed a model output's ``past_key_values`` to ``cache``: the old name,
+    given to an output or read from one, still works but logs that it is deprecated (its logger's
+    ``warning_once``, not a Python warning that ``filterwarnings = error`` would catch). The switched
+    forward uses the name of the transformers it runs with (``past_key_values`` before 5.24)."""
+    import logging
+
+    ids, labels = batch
+    model = _model("llama")
+    lc = long_context(model, tile_tokens=TILE, loss_chunk=CHUNK)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("transformers")
+    once = getattr(logging.Logger, "warning_once", None)
+    if hasattr(once, "cache_clear"):
+        once.cache_clear()  # a warning logged before this test would not be logged again
+    log.addHandler(handler)
+    try:
+        out = model(input_ids=ids, labels=labels)
+    finally:
+        log.removeHandler(handler)
+        lc.undo()
+    assert out.logits is None
+    assert not [r.getMessage() for r in records if "deprecated" in r.getMessage()]

@@ -207,22 +207,24 @@ def test_estimate_within_15_percent_of_real_saved_bytes(flash):
     assert total == pytest.approx(estimate, rel=0.15)
 
 
-# --- the drive-limited model (ssdtrain/planner/plan_drive.py) ------------------------------------------
+# --- the drive-limited model (ssdtrain/planner/plan_drive.py, plan_saves.py, plan_simulate.py) ----------
 
 from ssdtrain.planner import plan_drive as D  # noqa: E402
+from ssdtrain.planner import plan_saves as S  # noqa: E402
+from ssdtrain.planner import plan_simulate as SIM  # noqa: E402
 
 
 def _saves(*pairs, needed=None):
     """Saves of the given (bytes, packed_s); needed_s defaults to far in backward, latest first."""
     n = len(pairs)
     needed = needed or [100.0 * (n - i) for i in range(n)]
-    return [D.Save(b, t, u) for (b, t), u in zip(pairs, needed)]
+    return [S.Save(b, t, u) for (b, t), u in zip(pairs, needed)]
 
 
 def _sim(saves, **kw):
     args = dict(forward_s=4.5, backward_s=1000.0, write_bps=1e9, read_bps=1e9, handoff_bytes=1 << 30, min_bytes=0)
     args.update(kw)
-    return D.simulate(saves, **args)
+    return SIM.simulate(saves, **args)
 
 
 FOUR = [(100, 0.0), (100, 1.0), (100, 2.0), (100, 3.0), (100, 4.0)]
@@ -334,7 +336,7 @@ def _bench_saves(**kw):
     args = dict(layers=3, seq=64, hidden=32, heads=4, vocab=100, micro_batch=2, dtype_bytes=4, flash=True,
                 dropout=False, checkpoint=False, head=True, tflops=1e-6, backward_tflops=2e-6)
     args.update(kw)
-    return D.saves(**args)
+    return S.saves(**args)
 
 
 @pytest.mark.parametrize("flash,dropout,d", [(True, False, 4), (False, True, 2), (False, False, 2)])
@@ -345,7 +347,7 @@ def test_saves_add_up_to_the_formula(flash, dropout, d):
     ids = 8 * s * b  # token ids, and the targets
     assert sum(x.nbytes for x in saves) == L * P.activation_bytes_per_layer(s, h, a, b, dtype_bytes=d, flash=flash,
                                                                           dropout=dropout) + head + 2 * ids
-    flops = D.forward_flops(layers=L, seq=s, hidden=h, vocab=v, micro_batch=b)
+    flops = S.forward_flops(layers=L, seq=s, hidden=h, vocab=v, micro_batch=b)
     assert flops == b * (L * (24 * s * h * h + 4 * s * s * h) + 2 * s * h * v)
     assert fwd == pytest.approx(flops / 1e6) and bwd == pytest.approx(2 * flops / 2e6)
     packed = [x.packed_s for x in saves]
@@ -361,7 +363,7 @@ def test_checkpointed_saves_are_block_inputs_and_backward_recomputes():
     layer_flops = b * (24 * s * h * h + 4 * s * s * h)
     assert [x.nbytes for x in saves[1:1 + L]] == [4 * s * b * h] * L
     assert fwd == pytest.approx(plain_fwd)
-    assert bwd == pytest.approx(2 * D.forward_flops(layers=L, seq=s, hidden=h, vocab=v, micro_batch=b) / 2e6
+    assert bwd == pytest.approx(2 * S.forward_flops(layers=L, seq=s, hidden=h, vocab=v, micro_batch=b) / 2e6
                                 + L * layer_flops / 1e6)
     # A layer's input is needed when its recomputation starts, before that layer's own backward.
     last_layer_input = saves[L]
@@ -461,7 +463,7 @@ def test_cli_drive_flags(tmp_path, capsys):
             inputs["handoff_bytes"]) == (2, 0.06, 0.2, 0, 32 << 20)
     section = data["drive_limited"]
     assert section["offload"]["best"]["drive"]["forward_s"] == pytest.approx(
-        D.forward_flops(layers=8, seq=512, hidden=512, vocab=8192, micro_batch=4) / 0.18e12)
+        S.forward_flops(layers=8, seq=512, hidden=512, vocab=8192, micro_batch=4) / 0.18e12)
     rc = P.main(["--layers", "8", "--hidden", "512", "--heads", "8", "--seq", "512", "--vocab", "8192",
                  "--gpus", "1", "--gpu-mem-gib", "1", "--global-batch", "4", "--handoff-mib", "0"])
     assert rc == 2 and "--handoff-mib" in capsys.readouterr().err
@@ -487,12 +489,13 @@ def test_plan_vs_bench_smoke(tmp_path, capsys):
 
 
 def test_the_planner_uses_the_write_budgets_thresholds():
-    """plan_drive keeps its own copy of the budget's thresholds (the planner imports no torch):
+    """plan_simulate keeps its own copy of the budget's thresholds (the planner imports no torch):
     they must be the engine's."""
-    from ssdtrain.planner import plan_drive
+    from ssdtrain.planner import plan_simulate
     from ssdtrain.engine import schedule
 
-    assert (plan_drive.DRIVE_BOUND, plan_drive.MIN_DRIVE_STALL) == (schedule.DRIVE_BOUND, schedule.MIN_DRIVE_STALL)
+    assert (plan_simulate.DRIVE_BOUND, plan_simulate.MIN_DRIVE_STALL) == (
+        schedule.DRIVE_BOUND, schedule.MIN_DRIVE_STALL)
 
 
 def test_optimizer_bytes_set_the_model_states(tmp_path):

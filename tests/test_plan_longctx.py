@@ -6,9 +6,10 @@ import json
 import pytest
 
 from ssdtrain.planner import plan as P
-from ssdtrain.planner import plan_drive as D
+from ssdtrain.planner import plan_layer as LY
 from ssdtrain.planner import plan_longctx as LC
 from ssdtrain.planner import plan_model as M
+from ssdtrain.planner import plan_saves as S
 
 GIB = 1 << 30
 KIB = 1 << 10
@@ -25,24 +26,24 @@ def _llama(**kw):
 
 def test_llama_block_bytes_params_and_flops():
     # Per token: d(6h + 2kv + 4f) + 4a + 8 = 2 x (24576 + 2048 + 57344) + 128 + 8.
-    assert M.llama_activation_bytes_per_layer(1, 4096, 32, 8, 14336) == 168_072
+    assert LY.llama_activation_bytes_per_layer(1, 4096, 32, 8, 14336) == 168_072
     assert _llama(seq=1000).act_layer(2) == 2 * 1000 * 168_072
     # Eager attention adds the softmax output, a x s^2 x d.
     assert _llama(seq=1000, flash=False).act_layer(1) == 1000 * 168_072 + 32 * 1000 ** 2 * 2
     inp = _llama()
     assert inp.kv_dim == 1024 and inp.tile_tokens == 4096  # tiles default to the hidden size
     # Llama-3.1-8B's published parameter count.
-    assert M.layer_params(inp) == 218_112_000 and M.model_params(inp) == 8_030_261_248
+    assert LY.layer_params(inp) == 218_112_000 and M.model_params(inp) == 8_030_261_248
     s = 8192
-    flops = M.layer_forward_flops(inp, s)
+    flops = LY.layer_forward_flops(inp, s)
     assert flops == 2 * s * 4096 * (2 * 4096 + 2 * 1024 + 3 * 14336) + 2 * s * s * 4096
     # The drive model's saves and FLOPs, op by op, add up to the same block.
-    saves, fwd, _ = D.saves(layers=1, seq=s, hidden=4096, heads=32, vocab=128256, micro_batch=1, dtype_bytes=2,
+    saves, fwd, _ = S.saves(layers=1, seq=s, hidden=4096, heads=32, vocab=128256, micro_batch=1, dtype_bytes=2,
                             flash=True, dropout=True, checkpoint=False, head=False, tflops=1e-12,
                             backward_tflops=1e-12, arch="llama", kv_heads=8, ffn_hidden=14336)
     assert sum(x.nbytes for x in saves) == 8 * s + s * 168_072  # the token ids, then the block
     assert fwd == pytest.approx(flops)
-    assert D.forward_flops(layers=32, seq=s, hidden=4096, vocab=128256, arch="llama", heads=32, kv_heads=8,
+    assert S.forward_flops(layers=32, seq=s, hidden=4096, vocab=128256, arch="llama", heads=32, kv_heads=8,
                            ffn_hidden=14336) == pytest.approx(32 * flops + 2 * s * 4096 * 128256)
 
 
@@ -66,12 +67,12 @@ def test_working_set_of_the_recomputed_block():
         attn = s * (2 * (4 * h + 2 * kv) + 4 * a + 4)
         mlp = attn + s * (2 * 2 * h + 4) + s * 2 * 2 * h
         attention = attn + s * (2 * (3 * h + 2 * kv) + 4 * h)
-        assert M.block_working_bytes(inp) == max(mlp + s * 7 * 2 * f, attention) == mlp + s * 7 * 2 * f
-        assert M.block_working_bytes(inp, tiled=True) == max(mlp + t * 7 * 2 * f, attention)
+        assert LY.block_working_bytes(inp) == max(mlp + s * 7 * 2 * f, attention) == mlp + s * 7 * 2 * f
+        assert LY.block_working_bytes(inp, tiled=True) == max(mlp + t * 7 * 2 * f, attention)
     # Long enough, the attention's moment is the peak: q, k, v, output and their gradients.
-    assert M.block_working_bytes(inp, tiled=True) == attention
+    assert LY.block_working_bytes(inp, tiled=True) == attention
     # A tile as long as the sequence is no tiling.
-    assert M.block_working_bytes(_llama(seq=s, tile_tokens=s), tiled=True) == M.block_working_bytes(inp)
+    assert LY.block_working_bytes(_llama(seq=s, tile_tokens=s), tiled=True) == LY.block_working_bytes(inp)
 
 
 def test_stage_memory_by_hand():
@@ -80,7 +81,7 @@ def test_stage_memory_by_hand():
     ckpt = 2 * s * 4096
     states = M.model_state_bytes(inp, M.model_params(inp), 1)
     head = 4 * 4096 * 128256 + 2 * 2 * s * 4096  # one chunk's fp32 logits, the head's two inputs
-    work = M.block_working_bytes(inp, tiled=True) - ckpt  # its input is one of the checkpoints
+    work = LY.block_working_bytes(inp, tiled=True) - ckpt  # its input is one of the checkpoints
     assert M._stage_memory(inp, "recompute+offload+tiled", 1, 1, 1) == states + 2 * ckpt + max(work, head + ckpt)
     assert M._stage_memory(inp, "recompute+tiled", 1, 1, 1) == states + 32 * ckpt + max(work, head + ckpt)
     with pytest.raises(ValueError, match="unknown mode"):

@@ -62,6 +62,7 @@ DeepSpeed ALST's does; the families whose causal-LM forward changes the logits a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from typing import Any
@@ -80,6 +81,11 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ``ForCausalLMLoss`` and whose decoder layers have a position-wise ``mlp``."""
 
 _MARK = "_ssdtrain_long_context"
+_REQUIRE_GRADS_HOOK = "make_inputs_require_grad"
+"""How the hooks that make the input embeddings' output require grad are named: transformers'
+``make_inputs_require_grads`` (``enable_input_require_grads``), PEFT's ``make_inputs_require_grad``."""
+_REQUIRE_GRADS_RECORD = ("_require_grads_hooks", "_require_grads_hook")
+"""Where transformers keeps the handles of its latest ``enable_input_require_grads``."""
 
 
 def _chunk_loss(head: nn.Module, h: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -135,7 +141,9 @@ class LongContext:
         self._undo: list[Any] = []
 
     def undo(self) -> None:
-        """Restores the model as it was (idempotent)."""
+        """Restores the model as it was (idempotent), the input embeddings' hooks included: those
+        that turning checkpointing on brought, PEFT's among them (Note [undo leaves the embeddings'
+        hooks as they were])."""
         while self._undo:
             self._undo.pop()()
         self.tiled_mlps, self.checkpointing_enabled, self.chunked_loss = 0, False, False
@@ -228,21 +236,36 @@ def _checkpointing_on(lm: nn.Module) -> bool:
 def _enable_checkpointing(lm: nn.Module, done: LongContext) -> None:
     if _checkpointing_on(lm):
         return
-    had_hooks = bool(getattr(lm, "_require_grads_hooks", None) or getattr(lm, "_require_grads_hook", None))
+    # Note [undo leaves the embeddings' hooks as they were]: turning checkpointing on makes
+    # transformers hook the input embeddings so that their output requires grad
+    # (``enable_input_require_grads``), and PEFT's ``get_peft_model`` on a model with checkpointing
+    # on hooks them again (``PeftModel._prepare_model_for_gradient_checkpointing``; without it, a
+    # LoRA model has no such hook), while transformers keeps the handles of the latest call only.
+    # So undo removes every such hook that came while the switch held checkpointing on (the
+    # checkpointing caused them: PEFT adds none to a model without it), keeps every other hook and
+    # those there before, and restores transformers' record of its handles.
+    before = {m: set(m._forward_hooks) for m in lm.modules()}
+    record = {name: lm.__dict__[name] for name in _REQUIRE_GRADS_RECORD if name in lm.__dict__}
     if hasattr(lm, "activation_checkpointing_enable"):  # transformers 5
         lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         disable = lm.activation_checkpointing_disable
     else:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         disable = lm.gradient_checkpointing_disable
-    added_hooks = not had_hooks and bool(getattr(lm, "_require_grads_hooks", None)
-                                         or getattr(lm, "_require_grads_hook", None))
     done.checkpointing_enabled = True
 
     def undo() -> None:
         disable()
-        if added_hooks:
-            lm.disable_input_require_grads()
+        for module, kept in before.items():
+            for key, hook in list(module._forward_hooks.items()):
+                if key not in kept and getattr(hook, "__name__", "").startswith(_REQUIRE_GRADS_HOOK):
+                    for table in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
+                        getattr(module, table, {}).pop(key, None)  # what RemovableHandle.remove() does
+        for name in _REQUIRE_GRADS_RECORD:
+            if name in record:
+                lm.__dict__[name] = record[name]
+            else:
+                lm.__dict__.pop(name, None)
 
     done._undo.append(undo)
 
@@ -276,10 +299,18 @@ def _chunk_the_loss(lm: nn.Module, chunk: int) -> Any:
                                shift_labels=extra.get("shift_labels"))
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
-        result = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=out.past_key_values,
+        cache = _cache_field(CausalLMOutputWithPast)
+        result = CausalLMOutputWithPast(loss=loss, logits=None, **{cache: getattr(out, cache, None)},
                                         hidden_states=out.hidden_states, attentions=out.attentions)
         if return_dict is None:
             return_dict = getattr(lm.config, "return_dict", True)
         return result if return_dict is not False else result.to_tuple()
 
     return replace_forward(lm, forward)
+
+
+def _cache_field(output_cls: type) -> str:
+    """The name of a model output's key/value cache: ``cache`` since transformers 5.24, where the
+    old ``past_key_values`` (given to an output or read from one) still works but logs that it is
+    deprecated; ``past_key_values`` before."""
+    return "cache" if "cache" in {f.name for f in dataclasses.fields(output_cls)} else "past_key_values"

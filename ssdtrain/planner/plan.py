@@ -22,7 +22,7 @@ The model behind the numbers, stated once (each is also in the JSON under ``assu
 * **Llama blocks** (``--arch llama``, or ``--model llama-3.1-8b``): RMSNorm, RoPE, grouped-query
   attention (``--kv-heads``; k and v ``kv = hidden x kv_heads / heads`` wide), a SwiGLU MLP of
   ``--ffn-hidden``, no dropout, an untied head. A block saves, per token, ``d(6h + 2kv + 4f) + 4a + 8``
-  bytes (``plan_model.llama_activation_bytes_per_layer``: its input and normed copy, q, k, v, the
+  bytes (``plan_layer.llama_activation_bytes_per_layer``: its input and normed copy, q, k, v, the
   attention output, the MLP's input and normed copy, gate, ``silu(gate)``, up, their product; RMSNorm's
   fp32 rstd and flash attention's log-sum-exp): 168,072 bytes for Llama-3.1-8B in bf16 (h 4096,
   kv 1024, f 14336, a 32); without flash attention ``d·a·s`` more. Its parameters: ``2h² + 2h·kv +
@@ -54,7 +54,7 @@ The model behind the numbers, stated once (each is also in the JSON under ``assu
   to proceed concurrently. When the drive is slower, the slot stretches to the write time and
   the difference is reported as stall (a strict memory bound: ``when_full="wait"``).
   Drive-writes per day = bytes written per GPU per day / the drive capacity per GPU.
-* **Recompute's working set** (``plan_model.block_working_bytes``): the block backward recomputes.
+* **Recompute's working set** (``plan_layer.block_working_bytes``): the block backward recomputes.
   ``gpt``: one layer's activations (above). ``llama``: the larger of its MLP's moment (the block's
   saves, the residual's and the MLP input's gradients ``2dh``, the SwiGLU's gradients ``3df`` a
   token) and its attention's (the attention half's saves, the gradients of the residual, attention
@@ -90,10 +90,11 @@ from ssdtrain.planner.plan_drive import add_arguments, drive_limited, format_dri
 from ssdtrain.planner.plan_longctx import format_long_context, long_context
 from ssdtrain.planner.plan_longest import format_longest, longest
 # Re-exported: the model's names are also this module's (tests and callers use ``plan.Inputs``...).
-from ssdtrain.planner.plan_model import (BYTES_PER_PARAM, DTYPE_BYTES, MODES, OFFLOAD_RESIDENT_LAYERS,  # noqa: F401
-                                 RESERVE_FRACTION, Config, Inputs, _stage_counts, _stage_memory,
-                                 activation_bytes_per_layer, best_config, evaluate, head_activation_bytes,
-                                 max_micro_batch)
+from ssdtrain.planner.plan_inputs import BYTES_PER_PARAM, DTYPE_BYTES, Inputs  # noqa: F401
+from ssdtrain.planner.plan_layer import activation_bytes_per_layer, head_activation_bytes  # noqa: F401
+from ssdtrain.planner.plan_model import (MODES, OFFLOAD_RESIDENT_LAYERS, RESERVE_FRACTION, Config,  # noqa: F401
+                                         _stage_counts, _stage_memory, best_config, evaluate,
+                                         max_micro_batch)
 
 __all__ = ["MODELS", "MODES", "Config", "Inputs", "activation_bytes_per_layer", "best_config", "evaluate",
            "format_plan", "head_activation_bytes", "main", "max_micro_batch", "plan"]

@@ -6,7 +6,7 @@ Modes (micro-batch 1, ``inp.stages or 1`` stages, memory from ``plan_model._stag
 * ``baseline``: every block's saves stay (``Inputs.act_layer``), plus one block's gradients.
 * ``recompute``: checkpointing per block keeps each block's input (``L x s x hidden x d`` bytes:
   256 KiB a token for Llama-3.1-8B in bf16), plus the working set of the block that backward
-  recomputes (``plan_model.block_working_bytes``).
+  recomputes (``plan_layer.block_working_bytes``).
 * ``recompute+tiled``: the same with the MLP tiled (``ssdtrain.longctx``): its intermediates exist
   for ``tile_tokens`` positions at a time.
 * ``recompute+offload`` (``+tiled``): the block inputs leave the GPU (ssdtrain, ``min_bytes=0``):
@@ -19,7 +19,7 @@ Every mode has the same model states (weights, and for the trained share gradien
 state: ``--optimizer``), the head's saves and one chunk of the loss's logits (``--loss-chunk``), and
 10% of GPU memory reserved (``RESERVE_FRACTION``).
 
-Time (what the drive figures rest on): a block's forward FLOPs (``plan_model.layer_forward_flops``)
+Time (what the drive figures rest on): a block's forward FLOPs (``plan_layer.layer_forward_flops``)
 and the head's ``2shV`` at ``--tflops``; backward is twice forward's FLOPs at ``--backward-tflops``
 (default ``--tflops``), plus what it recomputes at ``--tflops``: the blocks under checkpointing, the
 tiled MLPs once more (each tile is recomputed in the tiled MLP's backward) and the head under a
@@ -49,8 +49,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from ssdtrain.planner.plan_model import (GIB, _stage_memory, _usable_bytes, layer_forward_flops, mlp_forward_flops,
-                                         model_params, model_state_bytes)
+from ssdtrain.planner.plan_layer import layer_forward_flops, mlp_forward_flops
+from ssdtrain.planner.plan_model import GIB, _stage_memory, _usable_bytes, model_params, model_state_bytes
 
 __all__ = ["LONGCTX_MODES", "OFFLOAD_MODES", "format_long_context", "long_context", "step_seconds"]
 
