@@ -7,7 +7,8 @@ Pure Python, no torch; the functions that take ``inp`` read a :class:`~ssdtrain.
 from __future__ import annotations
 
 __all__ = ["activation_bytes_per_layer", "block_working_bytes", "head_activation_bytes", "layer_forward_flops",
-           "layer_params", "llama_activation_bytes_per_layer", "mlp_forward_flops"]
+           "layer_params", "layer_tiled_moments", "llama_activation_bytes_per_layer", "mlp_forward_flops",
+           "position_wise_forward_flops"]
 
 
 def activation_bytes_per_layer(
@@ -63,7 +64,7 @@ def llama_activation_bytes_per_layer(seq: int, hidden: int, heads: int, kv_heads
     return total
 
 
-def block_working_bytes(inp, micro_batch: int = 1, *, tiled: bool = False) -> int:
+def block_working_bytes(inp, micro_batch: int = 1, *, tiled: bool = False, layer: bool = False) -> int:
     """Peak bytes of the block that backward recomputes under checkpointing (its input included):
     recompute's working set on top of the checkpoints.
 
@@ -76,7 +77,12 @@ def block_working_bytes(inp, micro_batch: int = 1, *, tiled: bool = False) -> in
     most 3 alive, ``3df``). In the attention's (the MLP's saves freed): the attention half's saves,
     the gradients of the residual, of the attention output and of q, k, v (``d(3h + 2kv)``) and
     FlashAttention-2's fp32 accumulator of dq (``4h``). Tiled, the SwiGLU's saves and gradients
-    (``7df`` a token) exist for one tile of ``tile_tokens`` positions."""
+    (``7df`` a token) exist for one tile of ``tile_tokens`` positions.
+
+    ``layer=True``: the whole layer tiled (``recompute+tiled-layer``), both archs: the largest of
+    :func:`layer_tiled_moments` (``gpt``: Korthikanti's count with the position-wise saves for one tile)."""
+    if layer:
+        return max(layer_tiled_moments(inp, micro_batch).values())
     s, b, h, d = inp.seq, micro_batch, inp.hidden, inp.dtype_bytes
     t = min(s, inp.tile_tokens) if tiled else s
     if inp.arch == "gpt":
@@ -90,6 +96,71 @@ def block_working_bytes(inp, micro_batch: int = 1, *, tiled: bool = False) -> in
     mlp_peak = attn_saves + mlp_saves + sb * 2 * d * h + t * b * 7 * d * f
     attn_peak = attn_saves + sb * (d * (3 * h + 2 * kv) + 4 * h) + scores
     return max(mlp_peak, attn_peak)
+
+
+def layer_tiled_moments(inp, micro_batch: int = 1) -> dict[str, int]:
+    """Bytes the recomputed block holds when the whole layer is tiled (``ssdtrain.longctx.tiled_layer``):
+    its position-wise parts run ``t = tile_tokens`` positions at a time, forward and backward (each
+    tile recomputed in backward), in two tiled functions: the norm, q/k/v projections and RoPE
+    (``pre``: of the block input ``x``, giving q, k, v), and the o-projection, residual, norm, MLP and
+    residual (``post``: of ``x`` and the attention output, giving the block output). Attention runs
+    over the whole sequence between them.
+
+    Per token, ``d`` bytes an element, ``kv`` the width of k and of v, ``a`` heads. ``llama``: three
+    moments of its backward, with the gradients alive at each (as the untiled count has them):
+
+    * ``whole``: the tensors of the whole sequence the block keeps through its backward: ``x``, q, k,
+      v and the attention output, ``d(3h + 2kv)``, and attention's fp32 log-sum-exp ``4a`` (without
+      flash attention, its softmax output ``as²d`` instead, as the untiled count has it).
+    * ``mlp``: ``post``'s backward: ``whole``, the incoming gradient of the block output and the
+      gradients it writes for the attention output and for ``x`` (``3dh``), and one tile's: the
+      residual sum, its normed copy and the tile's output (``3dh``), SwiGLU's gate, ``silu(gate)``,
+      up, product and 3 gradients (``7df``) and RMSNorm's fp32 ``rstd`` (4).
+    * ``attention``: attention's backward (the gradient of the block output freed): ``whole``, the
+      gradients of the attention output and of ``x`` (``post``'s), the gradients of q, k and v
+      (``d(3h + 2kv)`` with them), FlashAttention-2's fp32 dq accumulator ``4h`` and its fp32
+      ``rowsum(dO o O)`` ``4a``. Without flash attention: the softmax's gradient ``as²d`` instead of
+      the accumulator and that row sum.
+    * ``qkv``: ``pre``'s backward (attention's saves freed): ``x``, ``post``'s gradient of ``x``,
+      the gradients of q, k, v and ``pre``'s gradient of ``x``, ``d(4h + 2kv)``, and one tile's
+      normed copy and its gradient, q, k, v before RoPE and their gradients, ``d(4h + 4kv)``, and
+      ``rstd``.
+
+    For Llama-3.1-8B in bf16 the peak is ``attention``'s: 73,984 bytes a token (``d(6h + 4kv) + 4h +
+    8a``, ``9.03 x shd``), against 82,052 with the MLP alone tiled (the same moment, which also holds
+    the normed copy of ``x`` and its fp32 ``rstd``) and 270,472 untiled (the MLP's moment).
+
+    ``gpt`` (``kv = h``), in Korthikanti's count as its untiled block (the saves, no gradients):
+    ``whole``, the saves of the whole sequence, ``x``, q, k, v and the projection's input ``5dh``
+    (without flash attention and the softmax's ``as²`` saves: output, dropout mask and dropped copy);
+    ``layer``: ``whole`` and one tile's position-wise saves, the QKV input, the second LayerNorm's
+    input, the MLP's input, GELU's input and the second linear's input ``d(3h + 2f)``, and two 1-byte
+    dropout masks ``2h``.
+
+    The whole-sequence part grows with ``s`` (``s²`` terms only without flash attention); the tiles'
+    with ``t`` alone. Not counted, here as in the untiled count: the dk and dv FlashAttention-2 writes
+    for every query head under grouped-query attention before summing them over the group (``2dh``
+    more at ``attention``); the recomputation's forward, which holds less (``whole``, the block output
+    and the incoming gradient, one forward tile), and the checkpointed forward."""
+    s, b, h, d, a, f = inp.seq, micro_batch, inp.hidden, inp.dtype_bytes, inp.heads, inp.ffn_hidden
+    t = min(s, inp.tile_tokens)
+    sb, tb = s * b, t * b
+    if inp.arch == "gpt":
+        scores = 0 if inp.flash else a * s * s * b * (d + ((1 + d) if inp.dropout else 0))
+        whole = sb * 5 * d * h + scores
+        return {"whole": whole, "layer": whole + tb * (d * (3 * h + 2 * f) + (2 * h if inp.dropout else 0))}
+    kv = inp.kv_dim
+    if inp.flash:
+        kept, attn_grad = sb * 4 * a, sb * (4 * h + 4 * a)
+    else:
+        kept = attn_grad = a * s * s * b * d
+    whole = sb * d * (3 * h + 2 * kv) + kept
+    return {
+        "whole": whole,
+        "mlp": whole + sb * 3 * d * h + tb * (d * (3 * h + 7 * f) + 4),
+        "attention": whole + sb * d * (3 * h + 2 * kv) + attn_grad,
+        "qkv": sb * d * (4 * h + 2 * kv) + tb * (d * (4 * h + 4 * kv) + 4),
+    }
 
 
 def _backward_grad_bytes(inp, micro_batch: int) -> int:
@@ -119,6 +190,17 @@ def mlp_forward_flops(inp, seq: int | None = None) -> float:
     runs once more under checkpointing (its backward recomputes each tile)."""
     s = inp.seq if seq is None else seq
     return 16.0 * s * inp.hidden ** 2 if inp.arch == "gpt" else 6.0 * s * inp.hidden * inp.ffn_hidden
+
+
+def position_wise_forward_flops(inp, seq: int | None = None) -> float:
+    """Forward FLOPs of one block but attention's ``s²`` part (``gpt``: ``24sh²``; ``llama``:
+    ``2sh(2h + 2kv + 3f)``): what a tiled layer runs once more under checkpointing (its backward
+    recomputes each tile of its position-wise parts; attention is not tiled)."""
+    s = inp.seq if seq is None else seq
+    h = inp.hidden
+    if inp.arch == "gpt":
+        return 24.0 * s * h * h
+    return 2.0 * s * h * (2 * h + 2 * inp.kv_dim + 3 * inp.ffn_hidden)
 
 
 def _layer_params(h: int) -> int:
