@@ -9,7 +9,13 @@ Modes (micro-batch 1, ``inp.stages or 1`` stages, memory from ``plan_model._stag
   recomputes (``plan_layer.block_working_bytes``).
 * ``recompute+tiled``: the same with the MLP tiled (``ssdtrain.longctx``): its intermediates exist
   for ``tile_tokens`` positions at a time.
-* ``recompute+offload`` (``+tiled``): the block inputs leave the GPU (ssdtrain, ``min_bytes=0``):
+* ``recompute+tiled-layer``: the same with every position-wise part of the block tiled
+  (``ssdtrain.longctx.tiled_layer``): the norm, q/k/v projections and RoPE, and the o-projection,
+  residuals, norm and MLP, each a tile at a time; attention runs over the whole sequence. The
+  recomputed block keeps of the whole sequence only its input, q, k, v, the attention output, the
+  log-sum-exp and in backward their gradients (``plan_layer.layer_tiled_moments``): its peak is
+  attention's backward, as with the MLP alone tiled, less the normed copy of the input.
+* ``recompute+offload`` (``+tiled``, ``+tiled-layer``): the block inputs leave the GPU (ssdtrain, ``min_bytes=0``):
   to the host tier while its share holds them, to the drives beyond it. The GPU keeps the
   recomputed block's input and ``CKPT_RESIDENT`` more in flight. Its longest sequence is what GPU
   memory allows, whatever the host holds (the drives take the rest): ``host_alone_seq`` is the
@@ -23,7 +29,9 @@ Time (what the drive figures rest on): a block's forward FLOPs (``plan_layer.lay
 and the head's ``2shV`` at ``--tflops``; backward is twice forward's FLOPs at ``--backward-tflops``
 (default ``--tflops``), plus what it recomputes at ``--tflops``: the blocks under checkpointing, the
 tiled MLPs once more (each tile is recomputed in the tiled MLP's backward) and the head under a
-chunked loss (each chunk is checkpointed). Copies and I/O are assumed to overlap compute.
+chunked loss (each chunk is checkpointed); ``+tiled-layer``: the blocks' position-wise parts once
+more instead of the MLPs (``plan_layer.position_wise_forward_flops``: all but attention's ``s²``
+part). Copies and I/O are assumed to overlap compute.
 
 Drive figures for the offload modes, at the longest sequence:
 
@@ -49,13 +57,14 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from ssdtrain.planner.plan_layer import layer_forward_flops, mlp_forward_flops
+from ssdtrain.planner.plan_layer import layer_forward_flops, mlp_forward_flops, position_wise_forward_flops
 from ssdtrain.planner.plan_model import GIB, _stage_memory, _usable_bytes, model_params, model_state_bytes
 
 __all__ = ["LONGCTX_MODES", "OFFLOAD_MODES", "format_long_context", "long_context", "step_seconds"]
 
-LONGCTX_MODES = ("baseline", "recompute", "recompute+tiled", "recompute+offload", "recompute+offload+tiled")
-OFFLOAD_MODES = ("recompute+offload", "recompute+offload+tiled")
+LONGCTX_MODES = ("baseline", "recompute", "recompute+tiled", "recompute+tiled-layer", "recompute+offload",
+                 "recompute+offload+tiled", "recompute+offload+tiled-layer")
+OFFLOAD_MODES = ("recompute+offload", "recompute+offload+tiled", "recompute+offload+tiled-layer")
 _SEQ_STEP = 256  # sequence lengths are searched in multiples of this
 _SEQ_CAP = 1 << 24
 
@@ -100,6 +109,8 @@ def step_seconds(inp, mode: str, seq: int) -> dict:
         again += layers * block
     if mode.endswith("+tiled"):
         again += layers * mlp_forward_flops(one)
+    elif mode.endswith("+tiled-layer"):
+        again += layers * position_wise_forward_flops(one)
     if inp.loss_chunk:
         again += head
     rate, back_rate = inp.tflops * 1e12, (inp.backward_tflops or inp.tflops) * 1e12
@@ -182,18 +193,19 @@ def format_long_context(section: dict, inp: dict) -> list[str]:
     lines = [
         f"long context: each mode's longest sequence per GPU (micro-batch 1, {section['stages']} stage(s), "
         f"{section['usable_gib']:.1f} GiB usable):",
-        f"  {shape}; MLP tiles of {section['tile_tokens']} tokens; "
+        f"  {shape}; tiles of {section['tile_tokens']} tokens (+tiled: the MLP; +tiled-layer: every position-wise "
+        "part); "
         + (f"loss chunks of {section['loss_chunk']} tokens" if section["loss_chunk"] else "the whole logits")
         + states,
         f"  block inputs {section['checkpoint_bytes_per_token'] / 1024:g} KiB a token; {share}; drives "
         f"{section['drive_gbps']:g} GB/s per GPU",
-        f"  {'mode':<24} {'longest':>8} {'x rec.':>6} {'host only':>9} {'host GiB':>9} {'share':>7} "
+        f"  {'mode':<29} {'longest':>8} {'x rec.':>6} {'host only':>9} {'host GiB':>9} {'share':>7} "
         f"{'NVMe GiB':>9} {'GB/s free':>9} {'step s':>9}",
     ]
     notes = []
     for mode, row in section["modes"].items():
         if row is None:
-            lines.append(f"  {mode:<24} does not fit (not even {_SEQ_STEP} tokens)")
+            lines.append(f"  {mode:<29} does not fit (not even {_SEQ_STEP} tokens)")
             continue
         seq = f"{row['max_seq']}{'+' if row['capped'] else ''}"
         x = "-" if row["x_recompute"] is None else f"{row['x_recompute']:.2f}"
@@ -210,7 +222,7 @@ def format_long_context(section: dict, inp: dict) -> list[str]:
                     f"straight to the drives before forward ends): {row['drive_gbps_free_today']:.2f} GB/s")
         else:
             cols = f"{'-':>9} {'-':>9} {'-':>7} {'-':>9} {'-':>9}"
-        lines.append(f"  {mode:<24} {seq:>8} {x:>6} {cols} {row['step_s']:>9.1f}")
+        lines.append(f"  {mode:<29} {seq:>8} {x:>6} {cols} {row['step_s']:>9.1f}")
     lines += notes
     off = section["modes"].get("recompute+offload+tiled") or section["modes"].get("recompute+offload")
     if off:
