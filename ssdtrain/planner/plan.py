@@ -63,8 +63,10 @@ The model behind the numbers, stated once (each is also in the JSON under ``assu
   so count as their own moment (``llama``).
 * **Long context** (``long_context`` in the JSON; :mod:`ssdtrain.planner.plan_longctx`): each
   mode's longest sequence per GPU: baseline, recompute, ``recompute+tiled`` (the MLP a tile of
-  ``--tile-tokens`` positions at a time: its SwiGLU tensors for one tile only), ``recompute+offload``
-  and ``recompute+offload+tiled`` (every block input off the GPU but 2: the recomputed block's and
+  ``--tile-tokens`` positions at a time: its SwiGLU tensors for one tile only), ``recompute+tiled-layer``
+  (every position-wise part of the block so: of the whole sequence only the block's input, q, k, v,
+  the attention output and their gradients, ``plan_layer.layer_tiled_moments``), ``recompute+offload``,
+  ``recompute+offload+tiled`` and ``+tiled-layer`` (every block input off the GPU but 2: the recomputed block's and
   one in flight; ``L x s x h x d`` bytes, 256 KiB a token for Llama-3.1-8B, to the host share
   ``--host-gib``, or ``--node-host-gib`` over ``--gpus-per-node``, and the rest to the drives), with
   the host memory and drive space that needs and the drive rate at which the spill is free:
@@ -235,7 +237,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--seq", type=int, required=True)
     ap.add_argument("--vocab", type=int)
     ap.add_argument("--tile-tokens", type=int, default=None,
-                    help="positions per MLP tile in the +tiled long-context modes (ssdtrain.longctx; default: "
+                    help="positions per tile in the +tiled (the MLP) and +tiled-layer (every position-wise part) "
+                    "long-context modes (ssdtrain.longctx; default: "
                     "the hidden size, as long_context's)")
     ap.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
     ap.add_argument("--no-flash", action="store_true", help="naive attention (saves the s x s scores)")

@@ -78,7 +78,8 @@ class Inputs:
     ffn_hidden: int | None = None
     """The MLP's inner width; ``None``: 4h for ``gpt``, Llama's ``8h/3`` rounded up to 256 for ``llama``."""
     tile_tokens: int | None = None
-    """Positions per MLP tile in the ``+tiled`` modes; ``None``: the hidden size (``ssdtrain.longctx``'s default)."""
+    """Positions per tile in the ``+tiled`` modes (the MLP's) and the ``+tiled-layer`` modes (every
+    position-wise part's); ``None``: the hidden size (``ssdtrain.longctx``'s default)."""
     optimizer: str = "adamw"
     """``OPTIMIZERS``: the optimizer state per trained parameter, unless ``optimizer_bytes`` says it."""
     gpus_per_node: int | None = None
