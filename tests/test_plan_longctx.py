@@ -230,3 +230,90 @@ def test_gpt_plans_are_unchanged_and_get_the_section():
     new = {m: r["max_seq"] for m, r in result["long_context"]["modes"].items()}
     assert (new["baseline"], new["recompute"]) == (13312, 141312)  # the same memory model
     assert new["recompute+tiled"] > new["recompute"] and new["recompute+offload+tiled"] > new["recompute+offload"]
+
+
+def test_working_set_with_the_whole_layer_tiled():
+    """Llama: of the whole sequence only x, q, k, v, the attention output, the lse and their
+    gradients; the peak is attention's backward, the normed copy of x less than the MLP-tiled one's."""
+    t, h, kv, f, a, d = 4096, 4096, 1024, 14336, 32, 2
+    for s in (8192, 65536, 262144):
+        m = LY.layer_tiled_moments(_llama(seq=s))
+        whole = s * (d * (3 * h + 2 * kv) + 4 * a)
+        assert m == {"whole": whole, "mlp": whole + s * 3 * d * h + t * (d * (3 * h + 7 * f) + 4),
+                     "attention": whole + s * (d * (3 * h + 2 * kv) + 4 * h + 4 * a),
+                     "qkv": s * d * (4 * h + 2 * kv) + t * (d * (4 * h + 4 * kv) + 4)}
+        assert LY.block_working_bytes(_llama(seq=s), layer=True) == max(m.values())
+    assert m["attention"] == max(m.values()) == 73_984 * s  # 9.03 x s x h x d
+    # Against the MLP alone tiled (the same moment): the normed copy of x and its rstd, less attention's row sum.
+    assert LY.block_working_bytes(_llama(seq=s), tiled=True) - m["attention"] == s * (d * h + 4 - 4 * a)
+    # Doubling the sequence doubles the whole-sequence part; the tiles' part stays.
+    one, two = LY.layer_tiled_moments(_llama(seq=1 << 19)), LY.layer_tiled_moments(_llama(seq=1 << 20))
+    assert two["attention"] == 2 * one["attention"] and two["whole"] == 2 * one["whole"]
+    tile = t * (d * (3 * h + 7 * f) + 4)
+    assert two["mlp"] - tile == 2 * (one["mlp"] - tile)
+    # Eager attention: the softmax output and its gradient, s² each.
+    s = 8192
+    eager = LY.layer_tiled_moments(_llama(seq=s, flash=False))
+    assert eager["attention"] == s * d * (6 * h + 4 * kv) + 2 * a * s * s * d
+    # gpt in Korthikanti's count (saves only): x, q, k, v, the projection's input, and one tile's rest.
+    gpt = P.Inputs(layers=2, hidden=h, heads=a, seq=s, vocab=1000, gpus=1, gpu_mem_gib=80, global_batch=1)
+    assert LY.layer_tiled_moments(gpt) == {"whole": s * 5 * d * h, "layer": s * 5 * d * h + t * (11 * d * h + 2 * h)}
+    assert 5 * d * h + 11 * d * h + 2 * h == gpt.act_layer(1) // s  # all of it: Korthikanti's 34h
+
+
+def test_position_wise_flops_are_recomputed_once_more():
+    s, inp = 65536, _llama()
+    pos = 2 * s * 4096 * (2 * 4096 + 2 * 1024 + 3 * 14336)
+    assert LY.position_wise_forward_flops(inp, s) == pos == LY.layer_forward_flops(inp, s) - 2 * s * s * 4096
+    block, head = LY.layer_forward_flops(inp, s), 2 * s * 4096 * 128256
+    fwd = (32 * block + head) / 400e12
+    t = LC.step_seconds(inp, "recompute+offload+tiled-layer", s)
+    bwd = 2 * fwd + (32 * (block + pos) + head) / 400e12  # the blocks, their position-wise parts, the head
+    assert (t["forward_s"], t["backward_s"]) == (pytest.approx(fwd), pytest.approx(bwd))
+    assert LC.step_seconds(inp, "recompute+tiled-layer", s) == t
+    assert t["backward_s"] > LC.step_seconds(inp, "recompute+offload+tiled", s)["backward_s"]
+
+
+def test_layer_tiled_modes_are_longer_than_mlp_tiled():
+    for inp in (_llama(), _llama(host_gib=128.0), _llama(gpus=8, global_batch=8, node_host_gib=1024.0),
+                P.Inputs(layers=32, hidden=4096, heads=32, seq=131072, vocab=128256, gpus=1, gpu_mem_gib=80,
+                         global_batch=1, trainable_fraction=0.01, loss_chunk=4096)):
+        seq = {m: r["max_seq"] for m, r in LC.long_context(inp)["modes"].items()}
+        assert seq["recompute+tiled-layer"] > seq["recompute+tiled"]
+        assert seq["recompute+offload+tiled-layer"] > seq["recompute+offload+tiled"]
+    s = 524288
+    inp = _llama(seq=s)
+    states = M.model_state_bytes(inp, M.model_params(inp), 1)
+    ckpt, head = 2 * s * 4096, 4 * 4096 * 128256 + 2 * 2 * s * 4096
+    work = LY.block_working_bytes(inp, layer=True) - ckpt
+    assert M._stage_memory(inp, "recompute+offload+tiled-layer", 1, 1, 1) == states + 2 * ckpt + max(work, head + ckpt)
+    assert M._stage_memory(inp, "recompute+tiled-layer", 1, 1, 1) == states + 32 * ckpt + max(work, head + ckpt)
+
+
+def test_llama_8b_lora_one_gpu_128_gib_host_whole_layer_tiled():
+    """The issue's must-show, as the model honestly says it: Llama-3.1-8B LoRA on one 80 GB GPU with a
+    128 GiB host share trains 731,648 tokens under recompute+offload+tiled-layer, not 1M: at 1M tokens
+    the recomputed block's attention backward (x, q, k, v, the attention output, their gradients, the
+    fp32 dq accumulator: 72.25 GiB) does not fit beside the model states and the two block inputs."""
+    inp = _llama(host_gib=128.0)
+    row = LC.long_context(inp)["modes"]["recompute+offload+tiled-layer"]
+    assert row["max_seq"] == 731_648 < 1 << 20
+    assert row["host_bytes"] == 128 * GIB and row["host_alone_seq"] == 524_288
+    assert row["nvme_bytes"] == 256 * KIB * 731_648 - 128 * GIB
+    assert row["drive_keeps_up"] and row["drive_gbps_free"] < 0.2
+    big = _llama(host_gib=128.0, seq=1 << 20)
+    m = LY.layer_tiled_moments(big)
+    assert max(m, key=m.get) == "attention" and m["attention"] == 72.25 * GIB
+    usable = 80 * GIB * (1 - M.RESERVE_FRACTION)
+    assert LC._memory(inp, "recompute+offload+tiled-layer", 1 << 20) > usable
+
+
+def test_old_modes_unchanged_by_the_layer_tiled_ones():
+    """The README's example (8 GPUs, 1 TiB of host memory a node): the numbers it printed before."""
+    rows = LC.long_context(_llama(gpus=8, global_batch=8, node_host_gib=1024.0))["modes"]
+    seq = {m: r["max_seq"] for m, r in rows.items()}
+    assert seq == {"baseline": 10496, "recompute": 114432, "recompute+tiled": 178688, "recompute+tiled-layer": 183296,
+                   "recompute+offload": 215552, "recompute+offload+tiled": 666112,
+                   "recompute+offload+tiled-layer": 731648}
+    assert rows["recompute+offload+tiled"]["step_s"] == pytest.approx(1281.9, abs=0.05)
+    assert rows["recompute+offload+tiled"]["nvme_bytes"] / GIB == pytest.approx(34.6, abs=0.05)
