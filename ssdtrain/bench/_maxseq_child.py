@@ -21,7 +21,7 @@ def _child(spec: dict) -> dict:
 
     from ssdtrain.bench import _device
     from ssdtrain.bench._measure import RssSampler
-    from ssdtrain.bench.models import make_model, tile_mlps
+    from ssdtrain.bench.models import make_model, tile_layers, tile_mlps
     from ssdtrain.bench.modes import Mode, offloader_factory
 
     cfg = _config(spec.get("arch", "gpt"), spec["model"])
@@ -37,7 +37,9 @@ def _child(spec: dict) -> dict:
             total = torch.cuda.get_device_properties(dev).total_memory
             torch.cuda.set_per_process_memory_fraction(spec["budget"] / total, dev)
         model = make_model(cfg).to(dtype).to(dev)
-        if tiled:
+        if tiled == "layer":
+            tile_layers(model, spec.get("tile_tokens"))
+        elif tiled:
             tile_mlps(model, spec.get("tile_tokens"))
         mode = Mode(name, model, offloader_factory(spec.get("path"), None))
         tokens = torch.randint(0, cfg.vocab, (spec["batch"], cfg.seq), device=dev)
@@ -193,7 +195,7 @@ def _blocks_child(spec: dict) -> dict:
 
     from ssdtrain.bench import _device
     from ssdtrain.bench._measure import RssSampler
-    from ssdtrain.bench.models import make_model, tile_mlps
+    from ssdtrain.bench.models import make_model, tile_layers, tile_mlps
 
     cfg = _config(spec.get("arch", "gpt"), spec["model"]).replace(layers=1)
     dev = _device.resolve_device(spec["device"])
@@ -207,9 +209,12 @@ def _blocks_child(spec: dict) -> dict:
     out = {"seq": s, "input_bytes": x.numel() * x.element_size()}
     sampler = RssSampler()
     try:
-        for key in ("block_bytes", "block_tiled_bytes"):
+        keys = ("block_bytes", "block_tiled_bytes") + (("block_layer_bytes",) if spec.get("layer") else ())
+        for key in keys:
             if key == "block_tiled_bytes":
                 tile_mlps(model, spec.get("tile_tokens"))
+            elif key == "block_layer_bytes":
+                tile_layers(model, spec.get("tile_tokens"))  # the block's own forward, tiled whole
             peaks = []
             for rep in range(spec.get("reps", 3) + 1):
                 block.zero_grad(set_to_none=True)

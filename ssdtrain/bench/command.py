@@ -90,7 +90,8 @@ def _parser() -> argparse.ArgumentParser:
     long.add_argument("--kv-heads", type=int, help="--model llama: key/value heads (default heads / 4)")
     long.add_argument("--tile-tokens", type=int,
                       help="the +tiled modes (any mode name with +tiled appended: every block's MLP computed along "
-                      "the sequence a tile at a time, ssdtrain.longctx.tiled): positions a tile (default: the hidden "
+                      "the sequence a tile at a time, ssdtrain.longctx.tiled; +tiled-layer, --model llama: the whole "
+                      "block but attention, ssdtrain.longctx.tiled_layer): positions a tile (default: the hidden "
                       "size, DeepSpeed ALST's)")
     long.add_argument("--pairs", type=int, default=2,
                       help="alternated rounds of recompute and each other recompute mode at recompute's longest "
@@ -154,10 +155,12 @@ def _max_seq(ns: argparse.Namespace) -> int:
     llama = ns.model == "llama"
     modes = tuple(m.strip() for m in ns.modes.split(",") if m.strip()) if ns.modes != ",".join(MODES) else (
         LLAMA_MAX_SEQ_MODES if llama else MAX_SEQ_MODES + (("save_on_cpu",) if gpu else ()))
-    bad = [m for m in modes if base_mode(m)[0] not in MODES or base_mode(m) == ("save_on_cpu", True)]
+    bad = [m for m in modes if base_mode(m)[0] not in MODES or base_mode(m)[0] == "save_on_cpu" and base_mode(m)[1]]
     if bad or not modes:
         raise ValueError(f"--modes: unknown {', '.join(bad) or '(empty)'}; choose from {', '.join(MODES)}, "
-                         "each but save_on_cpu also with +tiled")
+                         "each but save_on_cpu also with +tiled (and, with --model llama, +tiled-layer)")
+    if not llama and any(base_mode(m)[1] == "layer" for m in modes):
+        raise ValueError("--modes: +tiled-layer tiles Llama blocks: give --model llama (a GPT's MLP tiles with +tiled)")
     if ns.tile_tokens is not None and ns.tile_tokens < 1:
         raise ValueError(f"--tile-tokens must be a positive int, got {ns.tile_tokens}")
     if ns.kv_heads is not None and not llama:

@@ -47,6 +47,9 @@ with offloading, beside checkpointing alone and checkpointing with offloading.""
 TILED = "+tiled"
 """A mode name's suffix: the bench mode before it, every block's MLP tiled along the sequence
 (:func:`ssdtrain.bench.models.tile_mlps`)."""
+TILED_LAYER = "+tiled-layer"
+"""A mode name's suffix: the bench mode before it, every block tiled whole along the sequence,
+attention over the whole of it (:func:`ssdtrain.bench.models.tile_layers`; Llama-shaped only)."""
 MMAP_THRESHOLD = 64 << 10
 # Note [a probe's allocator does not fragment]: on a GPU a probe's child runs with expandable
 # segments (unless PYTORCH_CUDA_ALLOC_CONF says otherwise), so that its out-of-memory comes at the
@@ -79,10 +82,13 @@ def gpu_model(arch: str = "gpt"):
     return GPTConfig(vocab=32768, seq=2048, layers=24, hidden=2048, heads=16, loss_chunk=4096)
 
 
-def base_mode(mode: str) -> tuple[str, bool]:
-    """``(bench mode, tiled)`` of a max-seq mode name (``recompute+offload+tiled``:
-    ``("recompute+offload", True)``)."""
-    return (mode[:-len(TILED)], True) if mode.endswith(TILED) else (mode, False)
+def base_mode(mode: str) -> tuple[str, str | None]:
+    """``(bench mode, what is tiled)`` of a max-seq mode name: ``recompute+offload+tiled`` is
+    ``("recompute+offload", "mlp")``, ``recompute+offload+tiled-layer``
+    ``("recompute+offload", "layer")``, ``recompute`` ``("recompute", None)``."""
+    if mode.endswith(TILED_LAYER):
+        return mode[:-len(TILED_LAYER)], "layer"
+    return (mode[:-len(TILED)], "mlp") if mode.endswith(TILED) else (mode, None)
 
 
 def arch_of(cfg) -> str:
@@ -143,16 +149,20 @@ def measure_blocks(args: MaxSeqArgs, seq: int, reps: int = 3) -> dict:
     they set on what offloading the inputs and tiling the MLP buy over checkpointing alone:
     ``(L x input + block) / block_tiled`` (checkpointing holds every block's input and one
     recomputed block; with the inputs offloaded and the MLP tiled, one tiled block)."""
+    layer = any(base_mode(m)[1] == "layer" for m in args.modes)
     spec = {"kind": "blocks", "model": dataclasses.asdict(args.model.replace(seq=seq)), "arch": arch_of(args.model),
             "device": args.device, "dtype": args.dtype, "batch": args.batch, "tile_tokens": args.tile_tokens,
-            "reps": reps}
+            "reps": reps, "layer": layer}
     r = probe_in_child(spec)
     if "block_bytes" not in r:
         return {"seq": seq, "error": r.get("error")}
     layers = args.model.layers
     r["layers"] = layers
-    r["bound"] = (layers * r["input_bytes"] + r["block_bytes"]) / r["block_tiled_bytes"]
-    r["bound_untiled"] = (layers * r["input_bytes"] + r["block_bytes"]) / r["block_bytes"]
+    held = layers * r["input_bytes"] + r["block_bytes"]
+    r["bound"] = held / r["block_tiled_bytes"]
+    r["bound_untiled"] = held / r["block_bytes"]
+    if "block_layer_bytes" in r:
+        r["bound_layer"] = held / r["block_layer_bytes"]
     return r
 
 
@@ -257,7 +267,8 @@ def run_max_seq(args: MaxSeqArgs) -> dict:
         rec_times = [t for t in times["recompute"] if t]
         result["recompute_step_per_token_s"] = statistics.median(rec_times) / (seq * args.batch) if rec_times else None
         result["vs_recompute_all"] = every
-        headline = next((m for m in ("recompute+offload+tiled", "recompute+offload") if m in every), others[0])
+        headline = next((m for m in ("recompute+offload+tiled-layer", "recompute+offload+tiled", "recompute+offload")
+                         if m in every), others[0])
         result["vs_recompute"] = dict(every[headline], mode=headline)
         if args.bound and any(base_mode(m)[1] for m in args.modes):
             blocks = measure_blocks(args, seq)
@@ -269,10 +280,14 @@ def run_max_seq(args: MaxSeqArgs) -> dict:
 def _blocks_line(b: dict) -> str:
     if "bound" not in b:
         return f"not measured ({(b.get('error') or '')[-300:]})"
-    return (f"input {b['input_bytes'] / MIB:.2f} MiB, block {b['block_bytes'] / MIB:.2f} MiB, block tiled "
+    line = (f"input {b['input_bytes'] / MIB:.2f} MiB, block {b['block_bytes'] / MIB:.2f} MiB, block tiled "
             f"{b['block_tiled_bytes'] / MIB:.2f} MiB; bound (L x input + block) / block_tiled = "
             f"({b['layers']} x {b['input_bytes'] / MIB:.2f} + {b['block_bytes'] / MIB:.2f}) / "
             f"{b['block_tiled_bytes'] / MIB:.2f} = x{b['bound']:.2f} (untiled: / block = x{b['bound_untiled']:.2f})")
+    if "bound_layer" in b:
+        line += (f"; layer tiled {b['block_layer_bytes'] / MIB:.2f} MiB: bound / block_layer = "
+                 f"x{b['bound_layer']:.2f}")
+    return line
 
 
 def format_max_seq(result: dict) -> str:
@@ -290,8 +305,8 @@ def format_max_seq(result: dict) -> str:
                  f"key-value heads, SwiGLU {cfg.n_ffn}, RMSNorm, RoPE, {'tied' if m['tie'] else 'untied'} head")
     else:
         shape = f"{m['layers']} blocks, hidden {m['hidden']}, {m['heads']} heads"
-    tiles = (f"; +tiled: MLP tiles of {result['tile_tokens']} tokens" if any(r["mode"].endswith(TILED)
-             for r in result["max_seq"]) and result.get("tile_tokens") else "")
+    tiles = (f"; +tiled: MLP tiles of {result['tile_tokens']} tokens (+tiled-layer: the whole layer's)"
+             if any(base_mode(r["mode"])[1] for r in result["max_seq"]) and result.get("tile_tokens") else "")
     lines = [f"longest sequence per mode: {shape}, vocab {m['vocab']}, loss in chunks of {m['loss_chunk']} tokens"
              f"{tiles}; batch {result['batch']}, {result['dtype']}, {result['device']}; limit: {limit}", ""]
     every = result.get("vs_recompute_all") or {}
@@ -323,7 +338,8 @@ def format_max_seq(result: dict) -> str:
         if blocks:
             lines.append(f"per block at {blocks['seq']} tokens (measured): " + _blocks_line(blocks))
             if "bound" in blocks:
-                lines.append(f"{name} reaches {vs['seq_ratio'] / blocks['bound']:.0%} of the bound")
+                bound = blocks["bound_layer"] if name.endswith(TILED_LAYER) and "bound_layer" in blocks else blocks["bound"]
+                lines.append(f"{name} reaches {vs['seq_ratio'] / bound:.0%} of the bound")
         for mode, v in (every or {name: vs}).items():
             if v.get("did_not_fit"):
                 lines.append(f"NOT SETTLED: {mode} did not fit at {v['seq']} tokens in {len(v['did_not_fit'])} of "

@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -23,7 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 __all__ = ["GPT", "GPTConfig", "Llama", "LlamaConfig", "PRESETS", "chunked_cross_entropy", "make_model", "preset",
-           "tile_mlps"]
+           "tile_layers", "tile_mlps"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -402,3 +403,44 @@ def tile_mlps(model: nn.Module, tile_tokens: int | None = None) -> int:
     for block in model.blocks:
         tile_in_place(block.mlp, tile_tokens=tile_tokens)
     return len(model.blocks)
+
+
+def tile_layers(model: nn.Module, tile_tokens: int | None = None) -> int:
+    """Tiles every :class:`LlamaBlock` whole along the sequence (the input norm, q/k/v and RoPE in
+    tiles; attention over the whole sequence; the o-projection, both residuals, the second norm and
+    the MLP in tiles: :mod:`ssdtrain.longctx.tiled_layer`), ``tile_tokens`` positions a tile
+    (``None``: as many as the hidden size); returns how many. Llama-shaped models only."""
+    from ssdtrain.longctx.tiled import replace_forward
+
+    if not all(isinstance(block, LlamaBlock) for block in model.blocks):
+        raise ValueError("tile_layers tiles Llama blocks (RMSNorm, RoPE, GQA, SwiGLU); tile a GPT's MLPs with tile_mlps")
+    for block in model.blocks:
+        replace_forward(block, functools.partial(_tiled_block_forward, block, tile_tokens))
+    return len(model.blocks)
+
+
+def _tiled_block_forward(block: LlamaBlock, tile_tokens: int | None, x: torch.Tensor) -> torch.Tensor:
+    from ssdtrain.longctx.tiled import tile_bounds
+    from ssdtrain.longctx.tiled_layer import params_of, tiled_parts
+
+    attn = block.attn
+    b, s, h = x.shape
+    bounds = tile_bounds(s, tile_tokens=tile_tokens, default_tokens=h)
+    cos, sin = rope_tables(s, attn.d, attn.theta, x.device, x.dtype)
+
+    def pre(lo: int, hi: int, xt: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        n, t = block.ln1(xt), hi - lo
+        q = attn.q(n).view(b, t, attn.heads, attn.d).transpose(1, 2)
+        k = attn.k(n).view(b, t, attn.kv, attn.d).transpose(1, 2)
+        v = attn.v(n).view(b, t, attn.kv, attn.d).transpose(1, 2)
+        c, z = cos[lo:hi], sin[lo:hi]
+        return apply_rope(q, c, z), apply_rope(k, c, z), v
+
+    def post(lo: int, hi: int, xt: torch.Tensor, yt: torch.Tensor) -> tuple[torch.Tensor]:
+        r = xt + attn.o(yt.transpose(1, 2).reshape(b, hi - lo, h))
+        return (r + block.mlp(block.ln2(r)),)
+
+    q, k, v = tiled_parts(pre, (x,), params_of(block.ln1, attn.q, attn.k, attn.v), bounds)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=attn.kv != attn.heads)
+    (z,) = tiled_parts(post, (x, y), params_of(attn.o, block.ln2, block.mlp), bounds)
+    return z
