@@ -20,11 +20,12 @@ its own parameters. Each tile holds ``batch x tile_tokens`` positions.
 
 Exactness. Each tile is the module applied to a slice of rows, so the output and the input's
 gradient are the untiled module's wherever the matrix product of a slice of rows gives exactly
-those rows of the whole product. That is the BLAS's choice, not ours: on this CPU (MKL, AVX2,
-float32 and bfloat16) it holds for every slice of 4, 8 or at least 12 rows, and a slice of 1-3,
+those rows of the whole product. That is the BLAS's choice, not ours: on an AVX2 CPU (MKL,
+float32 and bfloat16) it held for every slice of 4, 8 or at least 12 rows, and a slice of 1-3,
 5-7 or 9-11 rows (a short last tile: ``batch x (seq mod tile_tokens)`` rows) differs by rounding
-(measured in tests/test_tiled.py); float64 differs at more sizes, and cuBLAS may choose another
-kernel for another row count. A parameter's gradient is a sum over tokens that tiling splits
+(measured in tests/test_tiled.py); on an AVX-512 CPU (2026-11-28) a 224 -> 64 product of 32, 56,
+80 or 104 rows also differs from its 24-row slices'; float64 differs at more sizes, and cuBLAS
+may choose another kernel for another row count. A parameter's gradient is a sum over tokens that tiling splits
 into one partial sum per tile, added in tile order (in float32 for 16-bit parameters): equal to
 the untiled one up to the order of the additions, under 5e-7 of its largest entry in float32
 here. Offloading changes nothing: a tiled model with an offloader gives gradients equal
