@@ -249,3 +249,82 @@ def test_the_chunked_loss_names_the_cache_as_transformers_does(batch):
         lc.undo()
     assert out.logits is None
     assert not [r.getMessage() for r in records if "deprecated" in r.getMessage()]
+
+
+LAYER_FAMILIES = dict(FAMILIES, qwen3=("Qwen3Config", "Qwen3ForCausalLM"))
+
+
+def _layer_model(kind: str) -> torch.nn.Module:
+    if kind in FAMILIES:
+        return _model(kind)
+    config_cls, model_cls = (getattr(transformers, n) for n in LAYER_FAMILIES[kind])
+    config = config_cls(hidden_size=64, intermediate_size=224, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=1, head_dim=16, vocab_size=VOCAB, max_position_embeddings=SEQ,
+                        use_cache=False, attention_dropout=0.0)
+    torch.manual_seed(0)
+    return model_cls(config).train()
+
+
+@pytest.mark.parametrize("kind", list(LAYER_FAMILIES))
+def test_tile_layer_whole(tmp_path, batch, kind):
+    """``tile="layer"``: every layer tiled whole but for attention. Against the plain model, per
+    parameter class: the embedding's gradient and every weight's within WEIGHT_REL (sums over
+    tokens split by tiles; the embedding's too now: the first norm is tiled), the loss within
+    LOSS_REL; with an offloader, equal to itself without one; undone, the plain model bit for bit."""
+    plain_out, plain = _step(_layer_model(kind), batch)
+    model = _layer_model(kind)
+    lc = long_context(model, tile_tokens=TILE, loss_chunk=CHUNK, tile="layer")
+    assert (lc.tiled_layers, lc.tiled_mlps) == (2, 0)
+    out, grads = _step(model, batch)
+    assert abs(out.loss.item() - plain_out.loss.item()) <= LOSS_REL * abs(plain_out.loss.item())
+    worst: dict[str, float] = {}
+    for name, g in grads.items():
+        part = ("norm" if "norm" in name else "attention" if ".self_attn." in name else "mlp" if ".mlp." in name
+                else name.split(".")[-2])
+        worst[part] = max(worst.get(part, 0.0), _rel(g, plain[name]))
+    assert all(v < WEIGHT_REL for v in worst.values()), worst
+    off = ssdtrain.Offloader(model, path=str(tmp_path), min_bytes=0, late_writes=True)
+    try:
+        got_out, got = _step(model, batch, off)
+    finally:
+        off.close()
+    assert torch.equal(got_out.loss, out.loss) and all(torch.equal(got[n], grads[n]) for n in grads)
+    lc.undo()
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    undone_out, undone = _step(model, batch)
+    assert torch.equal(undone_out.loss, plain_out.loss) and all(torch.equal(undone[n], plain[n]) for n in plain)
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft 0.21's
+def test_tile_layer_with_lora_and_refusals(batch):
+    """PEFT's LoRA on q/k/v/o keeps working with the layer tiled (its adapters are inside the
+    projections each tile calls): the adapters' gradients close to the plain LoRA model's; names
+    unchanged. ``tile`` names a choice; ``tile="layer"`` with nothing to tile is refused."""
+    peft = pytest.importorskip("peft")
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], lora_dropout=0.0)
+    plain = peft.get_peft_model(_model("llama"), cfg)
+    torch.manual_seed(5)
+    for p in plain.parameters():  # the adapters (LoRA's B starts at zero): make them do something
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.02)
+    model = peft.get_peft_model(_model("llama"), cfg)
+    model.load_state_dict(plain.state_dict())
+    names = [n for n, _ in model.named_parameters()]
+
+    def adapters(m):
+        ids, labels = batch
+        m.zero_grad(set_to_none=True)
+        m(input_ids=ids, labels=labels).loss.backward()
+        return {n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad}
+
+    want = adapters(plain)
+    lc = long_context(model, tile_tokens=TILE, loss_chunk=CHUNK, tile="layer")
+    got = adapters(model)
+    assert [n for n, _ in model.named_parameters()] == names
+    assert want.keys() == got.keys() and len(want) > 0
+    assert all(_rel(got[n], want[n]) < WEIGHT_REL for n in want)
+    lc.undo()
+    with pytest.raises(ValueError, match="tile must be"):
+        long_context(_model("llama"), tile="attention")
+    with pytest.raises(ValueError, match="tiles nothing"):
+        long_context(_model("llama"), tile="layer", tile_tokens=0)

@@ -25,6 +25,10 @@ What it does, without touching the model's code:
   in the layer recomputed in backward, the SwiGLU intermediates (3 x 3.5 x hidden per token)
   exist for ``tile_tokens`` positions at a time. The modules stay where they are: parameter
   names, state dicts and PEFT's targets are unchanged.
+- Or, with ``tile="layer"``, **each decoder layer tiled whole but for attention**
+  (:mod:`ssdtrain.longctx.hf_layer`): the norms, q/k/v with the rotary positions, the
+  o-projection, both residuals and the MLP, so that in the recomputed layer only what attention
+  needs (q, k, v, its output) and the layer's input and output span the sequence.
 - **The loss in chunks** (:func:`chunked_lm_loss`): in training forwards given ``labels`` the
   model's forward computes the LM head and cross entropy ``loss_chunk`` tokens at a time, each
   chunk under a non-reentrant checkpoint, so no more than one chunk's logits (chunk x vocab, in
@@ -133,7 +137,9 @@ class LongContext:
         self.causal_lm = lm
         """The ``*ForCausalLM`` module whose layers and forward were changed."""
         self.tiled_mlps = 0
-        """How many MLPs are tiled."""
+        """How many MLPs are tiled (``tile="mlp"``)."""
+        self.tiled_layers = 0
+        """How many decoder layers are tiled whole but for attention (``tile="layer"``)."""
         self.checkpointing_enabled = False
         """Whether this call turned activation checkpointing on (it is turned off by undo)."""
         self.chunked_loss = False
@@ -146,7 +152,7 @@ class LongContext:
         hooks as they were])."""
         while self._undo:
             self._undo.pop()()
-        self.tiled_mlps, self.checkpointing_enabled, self.chunked_loss = 0, False, False
+        self.tiled_mlps, self.tiled_layers, self.checkpointing_enabled, self.chunked_loss = 0, 0, False, False
         self.causal_lm.__dict__.pop(_MARK, None)
 
     def __enter__(self) -> LongContext:
@@ -157,17 +163,20 @@ class LongContext:
 
     def __repr__(self) -> str:
         return (f"LongContext({type(self.causal_lm).__name__}: tiled_mlps={self.tiled_mlps}, "
+                f"tiled_layers={self.tiled_layers}, "
                 f"checkpointing_enabled={self.checkpointing_enabled}, chunked_loss={self.chunked_loss})")
 
 
 def long_context(model: nn.Module, *, tile_tokens: int | None = None, loss_chunk: int = 4096,
-                 checkpointing: bool = True, offloader: Any = None) -> LongContext:
+                 checkpointing: bool = True, offloader: Any = None, tile: str = "mlp") -> LongContext:
     """Sets a Llama / Mistral / Qwen2 / Qwen3 causal LM up for long sequences (module docstring).
 
     Args:
         model: a ``transformers`` ``*ForCausalLM`` of those families, or a PEFT model around one.
-        tile_tokens: sequence positions per MLP tile; ``None``: the hidden size; ``0``: MLPs left
-            as they are.
+        tile_tokens: sequence positions per tile; ``None``: the hidden size; ``0``: nothing tiled.
+        tile: ``"mlp"``: each layer's MLP tiled; ``"layer"``: each layer tiled whole but for
+            attention (the norms, q/k/v with RoPE, the o-projection, residuals and the MLP:
+            :mod:`ssdtrain.longctx.hf_layer`).
         loss_chunk: tokens per chunk of the loss; ``0``: the model's own loss.
         checkpointing: turn per-layer activation checkpointing on (non-reentrant) if it is off.
         offloader: an :class:`ssdtrain.Offloader` (or ``ssdtrain.offload(...)``'s result) that
@@ -184,13 +193,24 @@ def long_context(model: nn.Module, *, tile_tokens: int | None = None, loss_chunk
     _check(lm)
     if tile_tokens is not None and tile_tokens != 0:
         tile_bounds(1, tile_tokens=tile_tokens)  # checks it
+    if tile not in ("mlp", "layer"):
+        raise ValueError(f"tile must be 'mlp' (each layer's MLP in tiles) or 'layer' (the whole layer but "
+                         f"attention), got {tile!r}")
+    if tile == "layer" and tile_tokens == 0:
+        raise ValueError("tile='layer' with tile_tokens=0 tiles nothing: give tile_tokens (None: the hidden size)")
     if isinstance(loss_chunk, bool) or not isinstance(loss_chunk, int) or loss_chunk < 0:
         raise ValueError(f"loss_chunk must be an int >= 0 (0: the model's own loss), got {loss_chunk!r}")
     done = LongContext(model, lm)
     try:
         if checkpointing:
             _enable_checkpointing(lm, done)
-        if tile_tokens != 0:
+        if tile == "layer":
+            from ssdtrain.longctx.hf_layer import tile_layer_in_place
+
+            for layer in lm.model.layers:
+                done._undo.append(tile_layer_in_place(layer, tile_tokens))
+                done.tiled_layers += 1
+        elif tile_tokens != 0:
             for layer in lm.model.layers:
                 done._undo.append(tile_in_place(layer.mlp, tile_tokens=tile_tokens))
                 done.tiled_mlps += 1
