@@ -241,6 +241,32 @@ class _Replay:
             yield
 
 
+class GradSums:
+    """Each wanted parameter's gradient summed over the tiles, as autograd would get it once."""
+
+    def __init__(self, n: int) -> None:
+        self.sums: list[torch.Tensor | None] = [None] * n
+        self.fresh = [False] * n  # whether sums[i] is ours to add into
+
+    def add(self, i: int, g: torch.Tensor | None) -> None:
+        if g is None:
+            return
+        if self.sums[i] is None:  # 16-bit gradients are summed in float32 (one rounding at the end)
+            up = g.float() if g.is_floating_point() and g.element_size() < 4 else g
+            self.sums[i], self.fresh[i] = up, up is not g
+        elif self.fresh[i]:
+            self.sums[i].add_(g)
+        else:  # the first tile's gradient may alias autograd's buffers: never written
+            self.sums[i], self.fresh[i] = self.sums[i] + g, True
+
+    def grads(self, params: tuple, wanted: list[int]) -> list[torch.Tensor | None]:
+        """Every parameter's gradient, in its dtype (``None`` for those not wanted)."""
+        out: list[torch.Tensor | None] = [None] * len(params)
+        for i, s in zip(wanted, self.sums):
+            out[i] = None if s is None else s.to(params[i].dtype)
+        return out
+
+
 class _TiledFunction(torch.autograd.Function):
     """Forward: the tiles without a graph, ``x`` saved. Backward: each tile again with a graph,
     its gradients taken at once; the weights' summed over tiles and returned once."""
@@ -263,8 +289,7 @@ class _TiledFunction(torch.autograd.Function):
         wanted = [i for i, need in enumerate(ctx.needs_input_grad[4:]) if need]
         targets = [ctx.params[i] for i in wanted]
         grad_x = torch.empty_like(x) if want_x else None
-        sums: list[torch.Tensor | None] = [None] * len(targets)
-        fresh = [False] * len(targets)  # whether sums[i] is ours to add into
+        sums = GradSums(len(targets))
         replay = ctx.replay
         with replay.rng(), torch.enable_grad(), _keep_saves():
             for a, b in ctx.bounds:
@@ -288,19 +313,6 @@ class _TiledFunction(torch.autograd.Function):
                         grad_x.narrow(-2, a, b - a).copy_(gx)
                     del gx
                 for i, g in enumerate(grads):
-                    if g is None:
-                        continue
-                    if sums[i] is None:
-                        # 16-bit gradients are summed in float32 (one rounding at the end)
-                        up = g.float() if g.is_floating_point() and g.element_size() < 4 else g
-                        sums[i], fresh[i] = up, up is not g
-                    elif fresh[i]:
-                        sums[i].add_(g)
-                    else:  # the first tile's gradient may alias autograd's buffers: never written
-                        sums[i], fresh[i] = sums[i] + g, True
+                    sums.add(i, g)
                 del grads
-        param_grads: list[torch.Tensor | None] = [None] * len(ctx.params)
-        for i, s in zip(wanted, sums):
-            p = ctx.params[i]
-            param_grads[i] = None if s is None else s.to(p.dtype)
-        return (None, None, None, grad_x, *param_grads)
+        return (None, None, None, grad_x, *sums.grads(ctx.params, wanted))

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ssdtrain.longctx.tiled import _keep_saves, _Replay
+from ssdtrain.longctx.tiled import GradSums, _keep_saves, _Replay
 
 __all__ = ["params_of", "tiled_parts"]
 
@@ -112,8 +112,7 @@ class _TiledParts(torch.autograd.Function):
         want_p = [i for i in range(len(ctx.params)) if ctx.needs_input_grad[4 + n + i]]
         targets = [ctx.params[i] for i in want_p]
         grad_in: list[torch.Tensor | None] = [torch.empty_like(inputs[i]) if i in want_in else None for i in range(n)]
-        sums: list[torch.Tensor | None] = [None] * len(targets)
-        fresh = [False] * len(targets)
+        sums = GradSums(len(targets))
         replay = ctx.replay
         with replay.rng(), torch.enable_grad(), _keep_saves():
             for a, b in ctx.bounds:
@@ -132,17 +131,6 @@ class _TiledParts(torch.autograd.Function):
                     dst = grad_in[i].narrow(-2, a, b - a)
                     dst.zero_() if g is None else dst.copy_(g)
                 for j, g in enumerate(grads[len(want_in):]):
-                    if g is None:
-                        continue
-                    if sums[j] is None:  # 16-bit gradients summed in float32 (one rounding at the end)
-                        up = g.float() if g.is_floating_point() and g.element_size() < 4 else g
-                        sums[j], fresh[j] = up, up is not g
-                    elif fresh[j]:
-                        sums[j].add_(g)
-                    else:  # the first tile's gradient may alias autograd's buffers: never written
-                        sums[j], fresh[j] = sums[j] + g, True
+                    sums.add(j, g)
                 del grads
-        param_grads: list[torch.Tensor | None] = [None] * len(ctx.params)
-        for j, s in zip(want_p, sums):
-            param_grads[j] = None if s is None else s.to(ctx.params[j].dtype)
-        return (None, None, None, None, *grad_in, *param_grads)
+        return (None, None, None, None, *grad_in, *sums.grads(ctx.params, want_p))
