@@ -1,0 +1,123 @@
+"""The modelled GPU's streams and events, and what memory not yet written reads as.
+
+A :class:`Stream` and an :class:`Event` are shaped like ``torch.cuda``'s, so that the device seam
+can hand them out in place of the real ones; the clocks behind them are
+:class:`~ssdtrain.device.model.ModelledGPU`'s. Each carries a vector clock (stream index -> how
+many of that stream's ops are ordered before it): the order CUDA's rules give, kept apart from
+the virtual time.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+if TYPE_CHECKING:
+    from ssdtrain.device.model import ModelledGPU
+
+__all__ = ["Stream", "Event", "ModelledRace", "poison"]
+
+
+class ModelledRace(RuntimeError):
+    """An ordering error found by the modelled GPU (raised with ``strict=True``)."""
+
+
+def poison(t: torch.Tensor) -> None:
+    """Fills ``t`` with what memory not yet written by its copy reads as: NaN for floating and
+    complex dtypes, bytes of 0x5A for integer dtypes (``True`` for bool)."""
+    with _disable_current_modes(), torch.no_grad():
+        if t.dtype.is_floating_point or t.dtype.is_complex:
+            t.fill_(math.nan)
+        else:
+            t.fill_(torch.full((t.element_size(),), 0x5A, dtype=torch.uint8).view(t.dtype).item())
+
+
+def _covers(vc: dict, key: tuple[int, int]) -> bool:
+    return vc.get(key[0], 0) >= key[1]
+
+
+def _merge(into: dict, other: dict) -> None:
+    for k, v in other.items():
+        if v > into.get(k, 0):
+            into[k] = v
+
+
+class Stream:
+    """A modelled CUDA stream: its work runs in queue order, each op after the previous ended.
+
+    ``end`` is the virtual time its queued work ends; ``vc`` what is ordered before its next op.
+    """
+
+    def __init__(self, gpu: ModelledGPU, name: str, index: int) -> None:
+        self.gpu, self.name, self.index = gpu, name, index
+        self.end = 0.0
+        self.seq = 0
+        self.vc: dict[int, int] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.gpu.device
+
+    def wait_event(self, event: Event) -> None:
+        """Work queued here from now on starts after ``event`` (an unrecorded event: no wait)."""
+        self.gpu._wait(self, event)
+
+    def wait_stream(self, stream: Stream) -> None:
+        self.wait_event(stream.record_event())
+
+    def record_event(self, event: Event | None = None) -> Event:
+        event = event if event is not None else Event(self.gpu)
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        return self.record_event().query()
+
+    def synchronize(self) -> None:
+        self.record_event().synchronize()
+
+    def __repr__(self) -> str:
+        return f"<modelled stream {self.name}>"
+
+
+class Event:
+    """A modelled CUDA event: a point on a stream, its virtual time and what is ordered before it."""
+
+    def __init__(self, gpu: ModelledGPU, enable_timing: bool = False, blocking: bool = False) -> None:
+        self.gpu = gpu
+        self.time: float | None = None
+        self.vc: dict[int, int] = {}
+        self.stream: Stream | None = None
+
+    def record(self, stream: Stream | None = None) -> None:
+        self.gpu._record(self, stream if stream is not None else self.gpu.current_stream())
+
+    def wait(self, stream: Stream | None = None) -> None:
+        (stream if stream is not None else self.gpu.current_stream()).wait_event(self)
+
+    def query(self) -> bool:
+        """Whether the host clock reached the event (then the host has seen it: Note [a modelled
+        copy lands when it is seen]); costs the host ``Rates.poll_s``."""
+        return self.gpu._query(self)
+
+    def synchronize(self) -> None:
+        """The host waits for the event: its clock moves to the event's time."""
+        self.gpu._observe(self)
+
+    def elapsed_time(self, end: Event) -> float:
+        """Milliseconds from this event to ``end``, as ``torch.cuda.Event.elapsed_time``."""
+        if self.time is None or end.time is None:
+            raise RuntimeError("elapsed_time needs both events recorded")
+        return (end.time - self.time) * 1e3
+
+
+class _Engine:
+    """What runs the work (the SMs, a copy engine): one thing at a time, in queue order."""
+
+    __slots__ = ("name", "free")
+
+    def __init__(self, name: str) -> None:
+        self.name, self.free = name, 0.0
