@@ -10,13 +10,11 @@ the virtual time.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-if TYPE_CHECKING:
-    from ssdtrain.device.model import ModelledGPU
 
 __all__ = ["Stream", "Event", "ModelledRace", "poison"]
 
@@ -51,7 +49,7 @@ class Stream:
     ``end`` is the virtual time its queued work ends; ``vc`` what is ordered before its next op.
     """
 
-    def __init__(self, gpu: ModelledGPU, name: str, index: int) -> None:
+    def __init__(self, gpu: Any, name: str, index: int) -> None:  # gpu: a ModelledGPU (model.py imports this file)
         self.gpu, self.name, self.index = gpu, name, index
         self.end = 0.0
         self.seq = 0
@@ -86,7 +84,7 @@ class Stream:
 class Event:
     """A modelled CUDA event: a point on a stream, its virtual time and what is ordered before it."""
 
-    def __init__(self, gpu: ModelledGPU, enable_timing: bool = False, blocking: bool = False) -> None:
+    def __init__(self, gpu: Any, enable_timing: bool = False, blocking: bool = False) -> None:
         self.gpu = gpu
         self.time: float | None = None
         self.vc: dict[int, int] = {}
