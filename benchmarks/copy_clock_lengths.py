@@ -7,7 +7,8 @@ may take, ``schedule`` when the copy is handed over one save later, ``is_due`` a
 Llama-3.1-8B-shaped recompute+offload (``offload``: every save of a block, ``BLOCK_SAVES``): per block its input (``s x 4096 x 2`` bytes) and the rotary
 cos and sin (``s x 128 x 2`` bytes each, one storage shared by every block: saves after the first
 find it in the cache), then the loss's input; a device forward of ``2 x 8e9 x s / 4e14`` seconds
-split evenly over the blocks; copies one after another on a copy engine at 55 GB/s, each from
+split evenly over the blocks; copies one after another on a copy engine at 54.7 GB/s (the
+modelled H100's rates, ``ssdtrain.device.rates.H100``), each from
 when its block input was produced; a host ahead of its device (20 ms of launches a forward, 30 us
 a save, 100 us a copy). This is a model of the clock's timeline, not of the GPU: it has no
 allocator, no kernels and no second thread; the modelled device (issue 63, item 1) is not built.
@@ -32,9 +33,11 @@ import importlib.util
 import json
 from dataclasses import dataclass
 
+from ssdtrain.device.rates import H100
+
 HIDDEN, LAYERS, HEAD_DIM, ELEMENT = 4096, 32, 128, 2
-FLOPS_PER_TOKEN, PEAK_FLOPS = 2 * 8e9, 4e14
-COPY_RATE = 55e9
+FLOPS_PER_TOKEN, PEAK_FLOPS = 2 * 8e9, H100.flops_per_s  # the modelled GPU's H100 (ssdtrain.device.rates)
+COPY_RATE = H100.d2h_bytes_per_s
 MIN_BYTES = 1 << 20  # the engine's default: a smaller storage is a small save (no entry, no copy)
 HOST_FIXED, HOST_SAVE, HOST_COPY = 0.020, 30e-6, 100e-6
 
