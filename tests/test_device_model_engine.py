@@ -18,7 +18,7 @@ CFG = GPTConfig(vocab=128, seq=32, layers=2, hidden=64, heads=4)
 HOST_BYTES = 8 << 20  # under the 64 MiB the tier's rate probe takes: no rate, every copy due at once
 
 
-def step(*, offload: bool, recompute: bool = False, seed: int = 0):
+def step(*, offload: bool, recompute: bool = False, seed: int = 0, host_bytes: int = HOST_BYTES):
     """One training step of a tiny GPT on a modelled H100: the GPU, the loss, the gradients and the
     offloader's stats (``None`` without offloading), with what the pool held after backward."""
     torch.manual_seed(0)
@@ -28,7 +28,7 @@ def step(*, offload: bool, recompute: bool = False, seed: int = 0):
     stats = pool_left = None
     with modelled(gpu):
         gpu.adopt(*model.parameters(), x, y)
-        off = ssdtrain.Offloader(model, min_bytes=0, backend="memory", host_bytes=HOST_BYTES) if offload else None
+        off = ssdtrain.Offloader(model, min_bytes=0, backend="memory", host_bytes=host_bytes) if offload else None
         with ModelledCompute(gpu):
             if off is not None:
                 with off:
@@ -85,6 +85,16 @@ def test_gpt_with_the_host_tier_equals_the_model_without_ssdtrain(recompute):
     assert gpu.races == [] and gpu0.races == []
     assert stats.host_copied_bytes > 0 and stats.host_read_bytes == stats.host_copied_bytes
     assert pool_left == 0 and gpu.pinned_bytes() == 0  # nothing left in the pool, and the pool is gone
+
+
+def test_what_the_pool_cannot_hold_spills_to_the_drive_exactly():
+    # The memory backend stands for the drive: its I/O threads copy through the seam
+    # (copy_on_side_stream), concurrently, so only the result is checked here, not the timeline.
+    _, loss0, grads0, _, _ = step(offload=False)
+    gpu, loss, grads, stats, pool_left = step(offload=True, host_bytes=64 << 10)
+    assert stats.spilled_bytes > 0 and stats.host_copied_bytes > 0 and stats.read_bytes > 0
+    assert torch.equal(loss, loss0) and all(torch.equal(a, b) for a, b in zip(grads, grads0))
+    assert gpu.races == [] and pool_left == 0
 
 
 def test_the_tier_lowers_the_modelled_peak():
