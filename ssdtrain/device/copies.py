@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from ssdtrain.device.cuda import Fence, _on, is_cuda, order, side_stream
+from ssdtrain.device import cuda
+from ssdtrain.device.cuda import Fence, _ModelFence, _on, is_cuda, order, side_stream
 
 __all__ = ["queue_copies", "queue_to_host", "queue_to_device", "OrderOnce"]
 
@@ -47,6 +48,17 @@ def queue_copies(dsts: list[torch.Tensor], srcs: list[torch.Tensor], readys: lis
     ``readys`` (a :class:`Fence` or callable: :func:`order`), without waiting for them;
     returns one :class:`Fence` after all of them. Device destinations are tied to the side stream
     (``record_stream``): dropped before their copy ran, their blocks wait for it."""
+    model = cuda._model
+    if model is not None:  # Note [the seam answers for the modelled GPU]: the model's copy, on any thread
+        stream = side_stream(srcs[0].device)
+        for ready in readys:
+            order(ready, stream)
+        for dst, src in zip(dsts, srcs):
+            model.copy(dst, src, stream)
+        for dst in dsts:
+            if model.is_device(dst):
+                model.record_stream(dst, stream)
+        return _ModelFence(stream)
     gpu = srcs[0].device if is_cuda(srcs[0]) else dsts[0].device
     with _on(gpu):
         stream = side_stream(gpu)
@@ -149,6 +161,8 @@ def _queue_raw(gpu: torch.device, copies: list[tuple[int, int, int]], readys: li
     of them, or ``None`` (nothing queued) where the runtime cannot be called directly or a ready
     is not a fence (a host wait: torch's way calls it)."""
     global _runtime
+    if cuda._model is not None:
+        return None  # no raw addresses on the modelled GPU: its copies go through queue_copies
     if not all(ready is None or isinstance(ready, _FENCE) for ready in readys):
         return None
     rt = _cudart()

@@ -30,23 +30,72 @@ import contextlib
 import ctypes
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
 __all__ = [
     "is_cuda", "Fence", "producer_fence", "consumer_fence", "order", "copy_on_side_stream", "side_stream",
     "synchronize", "queue_copy", "staging", "pinned_empty", "on_device", "capturing", "for_consumer", "stream_source",
-    "stream_of", "current_stream", "producer_stream", "fence_on",
+    "stream_of", "current_stream", "producer_stream", "fence_on", "modelled_gpu", "gpu_device",
 ]
 
 log = logging.getLogger(__name__)
 
 PAGE = 4096
 
+# Note [the seam answers for the modelled GPU]
+# ``ssdtrain.device.model.modelled(gpu)`` puts a :class:`~ssdtrain.device.model.ModelledGPU` here
+# for the time of a ``with`` block and puts back what was here before on exit (nothing at import).
+# While one is here, every function of the seam (this file, ``copies.py``, ``measure.py``) answers
+# for it: the model's device tensors (ordinary CPU tensors the model counts as device memory) are
+# "CUDA", and fences, streams, events, copies, pinned memory, timers and the allocator's figures
+# come from the model. Each function's model branch is one global check at its top; the CUDA code
+# below it is unchanged. It is process-wide, not per thread, as the device is: the I/O threads'
+# copies must see it (a dispatch mode, ``ModelledCompute``, is per thread, so they call the
+# model's ``copy`` directly). Under the model the engine's device objects are the model's tensors'
+# own (``cpu``): :func:`gpu_device` says which of them stand for the GPU.
+_model: Any = None  # the ModelledGPU the seam answers for, or None (the real CUDA)
+
+
+def modelled_gpu() -> Any:
+    """The :class:`~ssdtrain.device.model.ModelledGPU` the seam answers for now, or ``None``."""
+    return _model
+
+
+def _use_model(gpu: Any) -> Any:
+    """Makes the seam answer for ``gpu`` (``None``: the real CUDA); returns what it answered for."""
+    global _model
+    before, _model = _model, gpu
+    return before
+
 
 def is_cuda(t: torch.Tensor) -> bool:
+    if _model is not None:
+        return _model.is_device(t)
     return t.is_cuda  # a fifth of ``t.device.type == "cuda"`` (pack asks for every save)
+
+
+# Note [the modelled host's clock decides the hand-over]
+# The engine reads the wall clock where only time decides (the host tier's batches go once the
+# oldest save waited ``HAND_OVER_SECONDS``): on the modelled GPU that made the batches, and so the
+# fences and the timeline, differ between two runs of one program. There the host's time is the
+# model's virtual host clock (``ModelledGPU.host_now``).
+def host_clock() -> Callable[[], float]:
+    """The host's clock for the engine's timing decisions: ``time.perf_counter``, or the modelled
+    GPU's host clock (Note [the modelled host's clock decides the hand-over])."""
+    gpu = _model
+    if gpu is not None:
+        return lambda: gpu.host_now
+    return time.perf_counter
+
+
+def gpu_device(dev: torch.device) -> bool:
+    """Whether ``dev`` (the device of a save the engine offloads) is a GPU's: ``cuda``, or any device
+    while the seam answers for a modelled GPU (Note [the seam answers for the modelled GPU])."""
+    return _model is not None or dev.type == "cuda"
 
 
 # Note [I/O threads set their device]
@@ -58,6 +107,8 @@ def is_cuda(t: torch.Tensor) -> bool:
 # (``torch.cuda.device``: restores the previous one, a no-op when it is already current), as
 # torch's own pin-memory thread does.
 def _on(dev: torch.device):
+    if _model is not None:
+        return contextlib.nullcontext()  # one modelled device, no contexts
     return torch.cuda.device(dev)
 
 
@@ -119,6 +170,8 @@ def producer_stream(t: torch.Tensor) -> torch.cuda.Stream | None:
     """The stream of ``t``'s device current now (``None`` for host tensors): where pack finds the
     op that saves ``t``, whose producer fence is recorded once that op returned (:func:`fence_on`;
     Note [a save is copied only after its op returned])."""
+    if _model is not None:
+        return _model.current_stream() if _model.is_device(t) else None
     if not t.is_cuda:
         return None
     return current_stream(t.device)
@@ -126,6 +179,8 @@ def producer_stream(t: torch.Tensor) -> torch.cuda.Stream | None:
 
 def fence_on(stream: torch.cuda.Stream) -> Fence:
     """A fence at this point of ``stream`` (Note [a producer fence reuses its event])."""
+    if _model is not None:
+        return _ModelFence(stream)
     dev = stream.device
     idle = _idle_events.get(dev.index)
     if idle is None:
@@ -136,6 +191,8 @@ def fence_on(stream: torch.cuda.Stream) -> Fence:
 def _fence_here(t: torch.Tensor) -> Fence | None:
     """A fence at this point of the current stream of ``t``'s device (``None`` for host tensors),
     on an event used before where one is idle (Note [a producer fence reuses its event])."""
+    if _model is not None:
+        return _ModelFence(_model.current_stream()) if _model.is_device(t) else None
     dev = t.device
     if dev.type != "cuda":
         return None
@@ -170,7 +227,27 @@ def stream_of(data: tuple) -> torch.cuda.Stream:
 
 def current_stream(dev: torch.device) -> torch.cuda.Stream:
     """``torch.cuda.current_stream(dev)``, at a third of its cost (a cached object)."""
+    if _model is not None:
+        return _model.current_stream()
     return stream_of(torch._C._cuda_getCurrentStream(dev.index))
+
+
+class _ModelFence(Fence):
+    """A :class:`Fence` on the modelled GPU: its event and stream are the model's (Note [the seam
+    answers for the modelled GPU]); the host waits and queries on the model's clock."""
+
+    __slots__ = ()
+
+    def __init__(self, stream: Any) -> None:
+        self.device, self.stream = stream.device, stream
+        self.event = stream.gpu.event(blocking=True)
+        self.event.record(stream)
+
+    def __call__(self) -> None:
+        self.event.synchronize()
+
+    def done(self) -> bool:
+        return self.event.query()
 
 
 class _PooledFence(Fence):
@@ -228,6 +305,10 @@ def order(ready: Callable[[], None] | None, stream: torch.cuda.Stream) -> None:
 # again while kernels queued on the consumer stream still read it. ``record_stream`` tells it.
 def for_consumer(t: torch.Tensor) -> torch.Tensor:
     """``t`` handed to backward: a CUDA tensor is tied to the current stream, which will use it."""
+    if _model is not None:
+        if _model.is_device(t):
+            _model.record_stream(t, _model.current_stream())
+        return t
     if is_cuda(t):
         t.record_stream(torch.cuda.current_stream(t.device))
     return t
@@ -340,6 +421,12 @@ def stream_source() -> str:
 
 def side_stream(dev: torch.device) -> torch.cuda.Stream:
     """This thread's own non-blocking stream on ``dev`` (Note [a side stream of our own])."""
+    if _model is not None:  # one per thread and modelled GPU, made once
+        streams = _local.__dict__.setdefault("modelled_streams", {})
+        stream = streams.get(id(_model))
+        if stream is None or stream.gpu is not _model:
+            stream = streams[id(_model)] = _model.new_stream()  # named by its index: the same names in every run
+        return stream
     streams = _local.__dict__.setdefault("streams", {})
     stream = streams.get(dev)
     if stream is None:
@@ -367,6 +454,9 @@ def synchronize(stream: torch.cuda.Stream) -> None:
 
     ``Stream.synchronize`` may spin: a blocking event recorded at the end is waited on instead.
     """
+    if _model is not None:
+        stream.synchronize()
+        return
     events = _local.__dict__.setdefault("events", {})
     dev = stream.device
     with _on(dev):
@@ -385,6 +475,12 @@ def copy_on_side_stream(dst: torch.Tensor, src: torch.Tensor, *, after: Callable
     waits for the allocation point]). Used by backends that move CUDA tensors through host memory
     (posix, memory, kvikio without GDS). Callers run on I/O threads, never the main one.
     """
+    if _model is not None:
+        stream = side_stream(dst.device)
+        order(after, stream)
+        _model.copy(dst, src, stream)
+        stream.synchronize()
+        return
     gpu = dst.device if is_cuda(dst) else src.device
     with _on(gpu):
         stream = side_stream(gpu)
@@ -398,6 +494,9 @@ def queue_copy(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream,
                event: torch.cuda.Event | None = None) -> torch.cuda.Event:
     """Queues a host/device copy on ``stream`` without waiting; returns a blocking event recorded
     after it (``event``, when given, is recorded again). ``event.synchronize()`` waits for it."""
+    if _model is not None:
+        _model.copy(dst, src, stream)
+        return stream.record_event(event)
     with torch.cuda.stream(stream):
         dst.copy_(src, non_blocking=True)
     if event is None:
@@ -411,6 +510,8 @@ def pinned_empty(nbytes: int) -> torch.Tensor:
 
     torch allocates them under a device that already has a context, so this creates none.
     """
+    if _model is not None:
+        return _model.pinned_empty(nbytes)
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from ssdtrain.device import cuda
 from ssdtrain.device.cuda import _on, side_stream
 
 __all__ = ["room_above_peak", "device_limit", "allocator_peak", "allocated", "GpuTimer", "timed_copies", "copy_rate"]
@@ -38,6 +39,8 @@ def _index(dev: torch.device) -> int:
 def device_limit(dev: torch.device) -> int:
     """The most this process may hold on ``dev``: its free memory plus what the caching allocator
     holds, within the per-process fraction if one is set."""
+    if cuda._model is not None:
+        return cuda._model.rates.memory_bytes
     with _on(dev):
         index = _index(dev)
         free, total = torch.cuda.mem_get_info(index)
@@ -50,12 +53,16 @@ def device_limit(dev: torch.device) -> int:
 
 def allocator_peak(dev: torch.device) -> int:
     """The caching allocator's peak of allocated bytes on ``dev`` since its last reset."""
+    if cuda._model is not None:
+        return cuda._model.peak()
     with _on(dev):
         return torch.cuda.max_memory_allocated(_index(dev))
 
 
 def allocated(dev: torch.device) -> int:
     """The bytes the caching allocator has allocated on ``dev`` now."""
+    if cuda._model is not None:
+        return cuda._model.allocated()
     with _on(dev):
         return torch.cuda.memory_allocated(_index(dev))
 
@@ -68,6 +75,12 @@ class GpuTimer:
     __slots__ = ("start", "end", "host_start", "host_end")
 
     def __init__(self, dev: torch.device) -> None:
+        model = cuda._model
+        if model is not None:  # the model's timing events, and the host's clock is the model's
+            self.start = model.event(enable_timing=True)
+            self.start.record(model.current_stream())
+            self.end, self.host_start, self.host_end = None, model.host_now, None
+            return
         with _on(dev):
             self.start = torch.cuda.Event(enable_timing=True)
             self.start.record(torch.cuda.current_stream(dev))
@@ -76,6 +89,11 @@ class GpuTimer:
         self.host_end: float | None = None
 
     def stop(self, dev: torch.device) -> None:
+        model = cuda._model
+        if self.end is None and model is not None:
+            self.end = model.event(enable_timing=True)
+            self.end.record(model.current_stream())
+            self.host_end = model.host_now
         if self.end is None:
             with _on(dev):
                 self.end = torch.cuda.Event(enable_timing=True)
@@ -116,6 +134,16 @@ def copy_rate(dev: torch.device, pinned: torch.Tensor) -> float:
     """Bytes per second of a device-to-host copy into ``pinned`` (at least 64 MiB) on this
     thread's side stream: the best of three, timed with events. Allocates device memory for it."""
     n = min(pinned.numel(), 64 << 20)
+    model = cuda._model
+    if model is not None:  # a modelled copy, timed with the model's events
+        src = model.empty(n, dtype=torch.uint8)
+        stream = side_stream(dev)
+        start = stream.record_event(model.event(enable_timing=True))
+        model.copy(pinned[:n], src, stream)
+        end = stream.record_event(model.event(enable_timing=True))
+        end.synchronize()
+        del src
+        return n / max(start.elapsed_time(end) / 1e3, 1e-9)
     with _on(dev):
         src = torch.empty(n, dtype=torch.uint8, device=dev)
         seconds = timed_copies([(side_stream(dev), pinned[:n], src)])

@@ -30,10 +30,11 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ssdtrain._units import fmt_bytes
+from ssdtrain.device import cuda as seam
 from ssdtrain.device.model_streams import Event, ModelledRace, Stream, _covers, _Engine, _merge, poison
 from ssdtrain.device.rates import Rates
 
-__all__ = ["ModelledGPU", "Stream", "Event", "ModelledRace", "poison"]
+__all__ = ["ModelledGPU", "Stream", "Event", "ModelledRace", "poison", "modelled"]
 
 DEVICE, PINNED, HOST = "device", "pinned", "host"
 
@@ -407,6 +408,20 @@ class ModelledGPU:
                            f"while {c.label} (ends at {c.end * 1e6:.3f} us) was not ordered before {name}")
                 if c in rec.outgoing:
                     poison(c.data)  # its memory may be reused before the copy read it
+
+
+@contextlib.contextmanager
+def modelled(gpu: ModelledGPU) -> Iterator[ModelledGPU]:
+    """Makes the device seam (``cuda.py``, ``copies.py``, ``measure.py``) answer for ``gpu`` inside
+    the block, and restores what it answered for on exit (Note [the seam answers for the modelled
+    GPU] in ``cuda.py``). Ops are charged to ``gpu`` only under
+    :class:`~ssdtrain.device.model_ops.ModelledCompute` (per thread): enter both, and make the
+    :class:`~ssdtrain.Offloader` inside this block (its host tier is set up for the device then)."""
+    before = seam._use_model(gpu)
+    try:
+        yield gpu
+    finally:
+        seam._use_model(before)
 
 
 def _released(gpu_ref: weakref.ref, key: int) -> None:

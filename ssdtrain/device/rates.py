@@ -32,6 +32,8 @@ class Rates:
     """Device to pinned host memory, bytes per second (one copy engine)."""
     h2d_bytes_per_s: float
     """Pinned host memory to device, bytes per second (the other copy engine)."""
+    memory_bytes: int = 80 * 10**9
+    """Device memory the process may hold (``measure.device_limit`` on the model): an H100's 80 GB."""
     pageable: float = 1 / 3
     """The fraction of the copy rate reached with host memory that is not pinned (an estimate)."""
     launch_s: float = 5e-6
@@ -80,5 +82,6 @@ H200 = Rates(
     # 54.5 GB/s device to pinned host (H200, 2026-11-28); host to device taken as the same.
     d2h_bytes_per_s=54.5e9,
     h2d_bytes_per_s=54.5e9,
+    memory_bytes=141 * 10**9,  # the datasheet's 141 GB
 )
 """An H200 as the bench saw it."""

@@ -121,7 +121,7 @@ class SaveHooks:
         e = self._cache.new(next(self._ids), t, lo, hi, scope, layer)
         scope.live_entries += 1
         n = e.nbytes
-        cuda = t.is_cuda
+        cuda = device.is_cuda(t)  # the modelled GPU's tensors too (Note [an offloader made under the modelled GPU])
         tier = self._tier is not None and (cuda or self._tier_cpu)
         if tier:
             self._tier.clock.produced(n)

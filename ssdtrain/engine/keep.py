@@ -175,6 +175,8 @@ def as_is(t: torch.Tensor, pinned: frozenset[int], in_kept_module: bool) -> bool
     plain = type(t) is torch.Tensor
     if not (plain or by_parts(t)) or t.layout is not torch.strided or t.is_inference():
         return True  # parameters (nn.Parameter), tensor subclasses, sparse, inference tensors
+    # Not the seam's is_cuda: the modelled GPU's tensors are CPU tensors, eligible as such, and
+    # never captured (Note [an offloader made under the modelled GPU]); a call here is paid per save.
     cuda = t.is_cuda
     if not (cuda or t.is_cpu) or t.numel() == 0 or t.is_quantized or t._is_zerotensor():
         return True  # quantized: scales and zero points live outside the bytes

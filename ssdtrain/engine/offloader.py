@@ -41,6 +41,15 @@ __all__ = ["Offloader"]
 
 _TIER_DEVICES = ("cuda",)  # device types whose saves use the host tier (tests add "cpu")
 
+# Note [an offloader made under the modelled GPU]
+# Inside ``ssdtrain.device.model.modelled(gpu)`` the model's device tensors are CPU tensors that
+# the seam calls CUDA (Note [the seam answers for the modelled GPU] in ``device/cuda.py``). Pack
+# asks ``t.is_cuda or self._tier_cpu`` for every save, and must not pay a call into the seam for
+# it (Note [pack is the training thread's time]): so an Offloader made under the model has
+# ``_tier_cpu`` set, as the tests' way through the tier has, and its saves use the host tier; the
+# seam then tells the model's device tensors (copied by the model) from host ones (memmove). Make
+# the Offloader inside the block and use it there.
+
 
 class Offloader(hooks.SaveHooks):
     """Offloads the activations saved for backward inside ``with off:`` (or ``off.microbatch(i)``).
@@ -79,10 +88,13 @@ class Offloader(hooks.SaveHooks):
         kept_modules = keep_objects + [keep.named_module(self._models, name) for name in config.keep_modules]
         self._backend: Backend = store if store is not None else make_backend(config)  # checks the paths
         self._tier: TieredBackend | None = None
-        self._tier_cpu = "cpu" in _TIER_DEVICES  # CPU saves use the tier too (the tests' way through it)
+        # CPU saves use the tier too: the tests' way through it, and the modelled GPU's, whose device
+        # tensors are CPU tensors (Note [an offloader made under the modelled GPU]).
+        modelled = device.modelled_gpu() is not None
+        self._tier_cpu = "cpu" in _TIER_DEVICES or modelled
         # A CUDA build of torch: a build flag, no driver call (a CPU step must not touch CUDA,
         # tests/test_import.py); the tier starts only at the first CUDA save.
-        if config.host_bytes != 0 and (torch.backends.cuda.is_built() or "cpu" in _TIER_DEVICES):
+        if config.host_bytes != 0 and (torch.backends.cuda.is_built() or "cpu" in _TIER_DEVICES or modelled):
             self._backend = self._tier = TieredBackend(self._backend, config.host_bytes)
         self._fwd_timer: measure.GpuTimer | None = None
         self._ordered = copies.OrderOnce()  # the compute stream after a released save's copy (_copy_due)
@@ -114,7 +126,8 @@ class Offloader(hooks.SaveHooks):
                                   max_writing_bytes=writing, verify=config.verify, budget=self._budget,
                                   failures=self._failures, endurance=self._endurance, meter=self._meter,
                                   clock=_clock, gate=self._peak.may_start,
-                                  due=self._tier.clock.schedule if self._tier is not None else None)
+                                  due=self._tier.clock.schedule if self._tier is not None else None,
+                                  wall=device.host_clock())
         self._graveyard: deque = deque()
         self._window = ReadWindow(max(2 * config.chunk_bytes, 16 << 20), config.prefetch_bytes, hooks._now())
         self._reader = Reader(self._backend, self._cache, self._lock, self._window, self._budget,

@@ -62,11 +62,15 @@ class WriteQueue:
         due: ``due(nbytes)``, the forward position at which a host-tier copy handed over now is
             due (:meth:`ssdtrain.host.copy_clock.CopyClock.schedule`; Note [a copy is due from its
             hand-over]); set on its extent as it is handed over.
+        wall: the host's clock that ages the saves waiting for a batch (``HAND_OVER_SECONDS``):
+            the modelled GPU's on the model (Note [the modelled host's clock decides the hand-over]
+            in ``device/cuda.py``).
     """
 
     def __init__(self, backend: Backend, cache: Cache, lock: threading.Lock, *, max_inflight_bytes: int,
                  max_writing_bytes: int, verify: bool, budget: Any, failures: WriteFailures,
                  endurance: Any = None, meter: Any = None, clock: Any = time.perf_counter,
+                 wall: Any = time.perf_counter,
                  gate: Any = None, due: Any = None) -> None:
         self._backend = backend
         self._cache = cache
@@ -82,6 +86,7 @@ class WriteQueue:
         self._endurance = endurance
         self._meter = meter
         self._clock = clock
+        self._wall = wall  # the hand-over's clock (Note [the modelled host's clock decides the hand-over])
         self._gate = gate
         self._due = due
         self._queue: deque[Entry] = deque()
@@ -109,7 +114,7 @@ class WriteQueue:
         """
         self.inflight_bytes += e.nbytes
         if self._many is not None:  # its age makes a batch go (pack_pumps)
-            e.packed_at = time.perf_counter()
+            e.packed_at = self._wall()
         self._op_began(scope, e.op)
         held = scope.held
         if held is not None and 4 * e.nbytes < held.nbytes:
@@ -341,7 +346,7 @@ class WriteQueue:
         if self._many is None or on_drive(head.extent):
             return True  # a drive's write first: at once, as ever
         return not self._batches and (len(queue) >= HAND_OVER_SAVES or self.queued_bytes >= HAND_OVER_BYTES
-                                      or time.perf_counter() - head.packed_at >= HAND_OVER_SECONDS)
+                                      or self._wall() - head.packed_at >= HAND_OVER_SECONDS)
 
     # The queue of a batched backend is emptied by pack once a batch's worth waits; by every
     # other pump (wait(), backpressure, a drive write's completion) whatever waits.

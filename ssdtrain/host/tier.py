@@ -84,15 +84,20 @@ class TieredBackend(Backend):
     def _start(self, dev: torch.device) -> None:
         if self._capacity is None:
             self._capacity, self.why = auto_host_bytes()
-        cuda = dev.type == "cuda"
-        # The tests' way through the tier (CPU tensors): plain host memory, at once.
-        self.pool = HostPool(self._capacity, pin=device.pinned_empty if cuda else _host_empty, background=cuda)
+        cuda = device.gpu_device(dev)
+        modelled = device.modelled_gpu() is not None
+        # The tests' way through the tier (CPU tensors): plain host memory, at once. On the modelled
+        # GPU, slabs are pinned on the training thread too (Note [the modelled tier runs in a fixed order]).
+        self.pool = HostPool(self._capacity, pin=device.pinned_empty if cuda else _host_empty,
+                             background=cuda and not modelled)
         start = time.perf_counter()
         self.pool.pin_first()  # Note [the first step's saves find the pool pinned]
         if cuda:
             log.info("ssdtrain: the host tier pinned its first %d MiB in %.2f s (once)", self.pool.pinned >> 20,
                      time.perf_counter() - start)
-            self._copy.submit(self._measure_rate, dev)
+            measured = self._copy.submit(self._measure_rate, dev)
+            if modelled:  # Note [the modelled tier runs in a fixed order]
+                measured.exception()
 
     # Note [the first step's saves find the pool pinned]: the first slab is pinned on the training
     # thread at the first CUDA save (about 0.35 s for 512 MiB on an H100's host, once per process),
@@ -285,6 +290,15 @@ class _Batches:
         self._pending: list[tuple[list, IOFuture]] = []
         self._draining = False
 
+    # Note [the modelled tier runs in a fixed order]
+    # On the modelled GPU (Note [the seam answers for the modelled GPU] in ``device/cuda.py``) the
+    # copy threads' calls move the one host clock and make streams and events: left to the OS
+    # scheduler, two runs of one program would give two timelines. So there the submitting thread
+    # waits until its batch was processed: the copies are still queued on the copy thread, on its
+    # own side stream (as on a GPU), but at a fixed point of the training thread's program. The
+    # batch's completion callbacks then run on the thread that adds them (``IOFuture``), also in
+    # program order. No engine lock may be held by a submitter whose batch completion takes it:
+    # the write queue submits without it, and the reads' futures have no callbacks.
     def submit(self, requests: list) -> IOFuture:
         fut = IOFuture()
         with self._lock:
@@ -292,6 +306,8 @@ class _Batches:
             start, self._draining = not self._draining, True
         if start:
             self.pool.submit(self._drain)
+        if device.modelled_gpu() is not None:
+            fut.exception()  # waits for the batch, not for its copies on the device
         return fut
 
     def _drain(self) -> None:
