@@ -13,6 +13,7 @@ import torch
 from _fake_cuda import build_stand_in
 
 from ssdtrain.device import cuda as device
+from ssdtrain.device import driver_streams as device_streams
 
 
 def test_host_tensors_need_no_fences():
@@ -93,7 +94,7 @@ def test_driver_streams_report_a_driver_that_cannot_make_one(tmp_path):
     # Note [a side stream of our own]: where the driver answers but cannot create a stream, the
     # error names the call and the driver's error, and side_stream() falls back to torch's pool.
     lib = build_stand_in(tmp_path)
-    streams = device._DriverStreams(str(lib))
+    streams = device_streams._DriverStreams(str(lib))
     with pytest.raises(RuntimeError, match=r"cuDeviceGet failed: CUDA_ERROR_NOT_INITIALIZED \(3\)"):
         streams.take(0)
     streams.give_back(0, 1234)
@@ -102,17 +103,17 @@ def test_driver_streams_report_a_driver_that_cannot_make_one(tmp_path):
 
 def test_driver_streams_without_a_driver_library():
     with pytest.raises(OSError):
-        device._DriverStreams("libcuda-that-does-not-exist.so.1")
+        device_streams._DriverStreams("libcuda-that-does-not-exist.so.1")
 
 
 def test_a_thread_gives_its_stream_back_when_it_ends(tmp_path):
     import threading
 
-    streams = device._DriverStreams(str(build_stand_in(tmp_path)))
+    streams = device_streams._DriverStreams(str(build_stand_in(tmp_path)))
     holder = threading.local()
 
     def run():
-        holder.lease = device._Lease(streams, 0, 42)
+        holder.lease = device_streams._Lease(streams, 0, 42)
 
     t = threading.Thread(target=run)
     t.start()

@@ -13,6 +13,7 @@ import torch
 from _gpu import BACKENDS
 
 from ssdtrain.device import cuda as device
+from ssdtrain.device import driver_streams as device_streams
 from ssdtrain.tools.selftest import OVERLAP_LIMIT, overlap_ratio
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -66,7 +67,7 @@ def test_side_streams_are_our_own_and_non_blocking(sleep):
     assert len(set(got.values())) >= 1 and all(h not in pool for h in got.values())
     assert not _waits_for_the_default_stream(device.side_stream(CUDA), sleep)
     # The check tells a blocking stream: one made the same way without the non-blocking flag.
-    blocking = device._DriverStreams()
+    blocking = device_streams._DriverStreams()
     blocking.CU_STREAM_NON_BLOCKING = 0
     assert _waits_for_the_default_stream(torch.cuda.ExternalStream(blocking.take(0), device=CUDA), sleep)
 
