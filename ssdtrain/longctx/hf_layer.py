@@ -75,14 +75,16 @@ def _tiled_forward(layer: nn.Module, module: Any, tile_tokens: int | None, x: to
     bounds = tile_bounds(s, tile_tokens=tile_tokens, default_tokens=h)
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)  # Qwen3
 
-    def pre(lo: int, hi: int, xt: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    # The rotary tables are inputs of the tiled part, not captured by it: saved as the layer's own
+    # saves are (an offloader takes them), not held by the part until backward.
+    def pre(lo: int, hi: int, xt: torch.Tensor, ct: torch.Tensor, st: torch.Tensor) -> tuple[torch.Tensor, ...]:
         n = layer.input_layernorm(xt)
         shape = (b, hi - lo, -1, d)
         q, k = attn.q_proj(n).view(shape), attn.k_proj(n).view(shape)
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
         v = attn.v_proj(n).view(shape).transpose(1, 2)
-        q, k = module.apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos[:, lo:hi], sin[:, lo:hi])
+        q, k = module.apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), ct, st)
         return q, k, v
 
     def post(lo: int, hi: int, xt: torch.Tensor, yt: torch.Tensor) -> tuple[torch.Tensor]:
@@ -91,7 +93,7 @@ def _tiled_forward(layer: nn.Module, module: Any, tile_tokens: int | None, x: to
 
     pre_params = params_of(layer.input_layernorm, attn.q_proj, attn.k_proj, attn.v_proj,
                            *(m for m in (q_norm, k_norm) if m is not None))
-    q, k, v = tiled_parts(pre, (x,), pre_params, bounds)
+    q, k, v = tiled_parts(pre, (x, cos.expand(b, -1, -1), sin.expand(b, -1, -1)), pre_params, bounds)
     extra = dict(kwargs)  # what the layer's attention module hands its attention function
     if hasattr(attn, "sliding_window"):  # Qwen2, Qwen3: per layer
         extra["sliding_window"] = attn.sliding_window
