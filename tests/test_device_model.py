@@ -230,6 +230,21 @@ def test_a_copy_that_does_not_wait_for_its_producer_is_recorded():
     assert any("written on side" in r for r in g.races) and pin.isnan().all()
 
 
+def test_a_byte_view_made_with_set_writes_nothing():
+    # The engine's byte view of a save (``empty(0).set_(storage, ...)``) after its producer fence:
+    # re-pointing a tensor is no kernel, so a copy ordered after the producer alone is no race.
+    g = gpu()
+    out = g.new_stream("out")
+    with ModelledCompute(g):
+        x = torch.ones(16) * 2
+        out.wait_event(g.compute.record_event())  # the producer fence
+        view = torch.empty(0, dtype=torch.uint8).set_(x.untyped_storage(), 0, (x.nbytes,), (1,))
+    pin = g.pinned_empty(x.nbytes)
+    g.copy(pin, view, out)
+    out.synchronize()
+    assert g.races == [] and torch.equal(pin.view(torch.float32), torch.full((16,), 2.0))
+
+
 def test_overwriting_a_source_a_copy_still_reads_is_recorded():
     g = gpu()
     with ModelledCompute(g):

@@ -9,7 +9,6 @@ its bytes the device tensors it reads and writes. The host pays ``Rates.launch_s
 from __future__ import annotations
 
 import torch
-from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop
 
@@ -33,7 +32,22 @@ _NO_KERNEL = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_l
 
 
 def _tensors(tree) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+    out: list[torch.Tensor] = []
+    _collect(tree, out)
+    return out
+
+
+def _collect(tree, out: list) -> None:
+    # An op's arguments hold tensors in lists, tuples and dicts only: a plain walk, cheaper than
+    # pytree's general one, which every modelled op paid several times.
+    if isinstance(tree, torch.Tensor):
+        out.append(tree)
+    elif isinstance(tree, (list, tuple)):
+        for x in tree:
+            _collect(x, out)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            _collect(x, out)
 
 
 def _written(func, args, kwargs) -> list[torch.Tensor]:
@@ -85,6 +99,10 @@ def run_op(gpu: ModelledGPU, func, args, kwargs):
             return args[0]
     if func.is_view or (inputs and func in (aten.detach.default, aten.alias.default)):
         return func(*args, **kwargs)  # an alias of memory the model already knows: no kernel
+    if func._overloadpacket is aten.set_:
+        # Re-points a tensor at memory (the engine's byte views of a save: ``empty(0).set_(storage)``):
+        # no kernel, no byte written. Counted as a write, it made a save's own copy race with it.
+        return func(*args, **kwargs)
     written = _written(func, args, kwargs)
     if inputs and not any(gpu.is_device(t) for t in inputs):
         # a host op: the host itself reads and writes (Note [a modelled copy lands when it is seen])
