@@ -107,10 +107,12 @@ class Reader:
                 ref.gen = e.gen
                 e.unpacked_refs += 1
             out = rebuild(buf, ref)
-            back = getattr(e.extent, "back", None)  # the host tier's copy back, queued on a side stream
+            ext = e.extent
+            back = getattr(ext, "back", None)  # the host tier's copy back, queued on a side stream
             self._cache.unload(e)
         if back is not None:
             self._ordered(back, device.current_stream(back.device))
+            ext.ordered = True  # Note [a pool extent outlives its copy back]
         return out
 
     def wait(self, e: Entry, fut: Any) -> None:

@@ -82,7 +82,7 @@ class HostExtent:
     before the write's future completes); ``due``: the forward position at which that copy is
     predicted done (:class:`~ssdtrain.host.copy_clock.CopyClock`)."""
 
-    __slots__ = ("slab", "offset", "reserved", "nbytes", "length", "path_index", "landed", "due", "back")
+    __slots__ = ("slab", "offset", "reserved", "nbytes", "length", "path_index", "landed", "due", "back", "ordered")
 
     def __init__(self, slab: int, offset: int, reserved: int, nbytes: int) -> None:
         self.slab, self.offset, self.reserved, self.nbytes = slab, offset, reserved, nbytes
@@ -90,6 +90,7 @@ class HostExtent:
         self.landed: Any = None
         self.due = float("inf")
         self.back: Any = None  # the Fence after its last copy back to the device
+        self.ordered = False  # a consumer's stream was made to wait for ``back`` (Note [a pool extent outlives its copy back])
 
 
 class HostPool:

@@ -119,8 +119,21 @@ class TieredBackend(Backend):
     def allocate(self, nbytes: int) -> Extent:
         return self.inner.allocate(nbytes)
 
+    # Note [a pool extent outlives its copy back]
+    # A save's copy back to the device (``extent.back``, queued on the read thread's side stream)
+    # reads its pool extent until it has run; unpack makes the compute stream wait for it, and the
+    # next copies into the pool come after the compute stream's later work (their producers), so
+    # they never overwrite what it still reads. A backward cut short (an exception, a graph dropped
+    # after its reads were issued ahead) never unpacks some saves read ahead: their extents were
+    # freed at once, and the next step's copy in could overwrite one while its copy back still read
+    # it, a race by CUDA's rules (found by the modelled GPU's soak, benchmarks/model_soak.py,
+    # 2026-11-28: about 3% of its seeds; the bytes went into buffers no one used again). Such an
+    # extent now waits for its copy back before it is freed: a host wait, on that path only.
     def free(self, extent: Any) -> None:
         if type(extent) is HostExtent:
+            back = extent.back
+            if back is not None and not extent.ordered:
+                back()
             self.pool.free(extent)
         else:
             self.inner.free(extent)
