@@ -49,14 +49,14 @@ backward (``loss.backward()`` inside ``with off:``) never sees them.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
+
+from ssdtrain.longctx._tiles import tiled_parts
 
 __all__ = ["TiledMLP", "tile_bounds", "tile_in_place", "tiled_mlp"]
 
@@ -171,148 +171,5 @@ def _tiled(fn: Callable[[torch.Tensor], torch.Tensor], module: nn.Module, x: tor
     if len(bounds) <= 1:
         return fn(x)
     params = tuple(p for p in module.parameters() if p.requires_grad)
-    if not torch.is_grad_enabled() or not (x.requires_grad or params):
-        return _forward_tiles(fn, x, bounds)
-    return _TiledFunction.apply(fn, bounds, preserve_rng_state, x, *params)
-
-
-def _forward_tiles(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
-                   bounds: tuple[tuple[int, int], ...]) -> torch.Tensor:
-    """The tiles' outputs written into one tensor (no concatenation: never two outputs at once)."""
-    out = None
-    with torch.no_grad():
-        for a, b in bounds:
-            y = fn(x.narrow(-2, a, b - a))
-            if out is None:
-                shape = (*y.shape[:-2], x.shape[-2], y.shape[-1])
-                out = y.new_empty(shape)
-            out.narrow(-2, a, b - a).copy_(y)
-            del y
-    return out
-
-
-def _same(t: Any) -> Any:
-    return t
-
-
-# The recomputation's saves, as autograd keeps them without hooks (module docstring).
-def _keep_saves() -> contextlib.AbstractContextManager:
-    return torch.autograd.graph.saved_tensors_hooks(_same, _same)
-
-
-class _Replay:
-    """The forward's RNG and autocast states, entered again in backward (as checkpoint does)."""
-
-    def __init__(self, device: torch.device, preserve_rng_state: bool) -> None:
-        self.device = device
-        kinds = [device.type] if device.type == "cpu" else [device.type, "cpu"]
-        self.autocast_state = [(k, torch.is_autocast_enabled(k), torch.get_autocast_dtype(k))
-                               for k in kinds if torch.amp.is_autocast_available(k)]
-        self.autocast_cache = torch.is_autocast_cache_enabled()
-        self.cpu_rng = self.device_rng = None
-        if preserve_rng_state:
-            self.cpu_rng = torch.get_rng_state()
-            mod = getattr(torch, device.type, None) if device.type != "cpu" else None
-            if mod is not None and hasattr(mod, "get_rng_state") and getattr(mod, "is_initialized", lambda: True)():
-                self.device_rng = mod.get_rng_state(device)
-
-    @contextlib.contextmanager
-    def rng(self) -> Iterator[None]:
-        """The forward's RNG state, for the whole recomputation (the tiles draw in turn)."""
-        if self.cpu_rng is None:
-            yield
-            return
-        on_device = self.device_rng is not None
-        with torch.random.fork_rng(devices=[self.device] if on_device else [],
-                                   device_type=self.device.type if on_device else "cuda"):
-            torch.set_rng_state(self.cpu_rng)
-            if on_device:
-                getattr(torch, self.device.type).set_rng_state(self.device_rng, self.device)
-            yield
-
-    @contextlib.contextmanager
-    def autocast(self) -> Iterator[None]:
-        """The forward's autocast state, for a tile's forward only (its gradients are taken
-        outside, as a backward outside autocast takes them)."""
-        with contextlib.ExitStack() as stack:
-            for kind, enabled, dtype in self.autocast_state:
-                stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled,
-                                                   cache_enabled=self.autocast_cache))
-            yield
-
-
-class GradSums:
-    """Each wanted parameter's gradient summed over the tiles, as autograd would get it once."""
-
-    def __init__(self, n: int) -> None:
-        self.sums: list[torch.Tensor | None] = [None] * n
-        self.fresh = [False] * n  # whether sums[i] is ours to add into
-
-    def add(self, i: int, g: torch.Tensor | None) -> None:
-        if g is None:
-            return
-        if self.sums[i] is None:  # 16-bit gradients are summed in float32 (one rounding at the end)
-            up = g.float() if g.is_floating_point() and g.element_size() < 4 else g
-            self.sums[i], self.fresh[i] = up, up is not g
-        elif self.fresh[i]:
-            self.sums[i].add_(g)
-        else:  # the first tile's gradient may alias autograd's buffers: never written
-            self.sums[i], self.fresh[i] = self.sums[i] + g, True
-
-    def grads(self, params: tuple, wanted: list[int]) -> list[torch.Tensor | None]:
-        """Every parameter's gradient, in its dtype (``None`` for those not wanted)."""
-        out: list[torch.Tensor | None] = [None] * len(params)
-        for i, s in zip(wanted, self.sums):
-            out[i] = None if s is None else s.to(params[i].dtype)
-        return out
-
-
-class _TiledFunction(torch.autograd.Function):
-    """Forward: the tiles without a graph, ``x`` saved. Backward: each tile again with a graph,
-    its gradients taken at once; the weights' summed over tiles and returned once."""
-
-    @staticmethod
-    def forward(ctx: Any, fn: Callable, bounds: tuple, preserve_rng_state: bool, x: torch.Tensor,
-                *params: torch.Tensor) -> torch.Tensor:
-        ctx.fn = fn
-        ctx.bounds = bounds
-        ctx.params = params  # the module's own parameters: alive anyway, never activations
-        ctx.replay = _Replay(x.device, preserve_rng_state)
-        ctx.save_for_backward(x)
-        return _forward_tiles(fn, x, bounds)
-
-    @staticmethod
-    @once_differentiable  # a double backward raises instead of differentiating the tiles' grad calls
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
-        (x,) = ctx.saved_tensors
-        want_x = ctx.needs_input_grad[3]
-        wanted = [i for i, need in enumerate(ctx.needs_input_grad[4:]) if need]
-        targets = [ctx.params[i] for i in wanted]
-        grad_x = torch.empty_like(x) if want_x else None
-        sums = GradSums(len(targets))
-        replay = ctx.replay
-        with replay.rng(), torch.enable_grad(), _keep_saves():
-            for a, b in ctx.bounds:
-                xt = x.narrow(-2, a, b - a).detach().requires_grad_(want_x)
-                with replay.autocast():
-                    # A view, not the leaf: autocast caches its casts of leaves that want
-                    # gradients (made for weights), which would sum the input's gradients in
-                    # the low precision where the forward summed them in float32.
-                    y = ctx.fn(xt.view_as(xt) if want_x else xt)
-                if not y.requires_grad:
-                    grads: tuple = (None,) * (int(want_x) + len(targets))
-                else:
-                    inputs = ([xt] if want_x else []) + targets
-                    grads = torch.autograd.grad(y, inputs, grad_out.narrow(-2, a, b - a), allow_unused=True)
-                del y
-                if want_x:
-                    gx, grads = grads[0], grads[1:]
-                    if gx is None:
-                        grad_x.narrow(-2, a, b - a).zero_()
-                    else:
-                        grad_x.narrow(-2, a, b - a).copy_(gx)
-                    del gx
-                for i, g in enumerate(grads):
-                    sums.add(i, g)
-                del grads
-        return (None, None, None, grad_x, *sums.grads(ctx.params, wanted))
+    (y,) = tiled_parts(lambda a, b, xt: (fn(xt),), (x,), params, bounds, preserve_rng_state=preserve_rng_state)
+    return y
