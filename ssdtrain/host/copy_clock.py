@@ -149,7 +149,6 @@ class CopyClock:
         self.host_grow = 0.0
         self.host_floor = 0.0
         self.host_room = 0.0
-        self.engine = 0.0  # what the copy engine moves in the reference forward's time, COPY_SHARE of it
 
     def wants_reference(self) -> bool:
         """Whether the next forward is to be measured, copying nothing: once the copy rate is
@@ -256,8 +255,13 @@ class CopyClock:
         if seconds * self.total <= self.reference * produced:  # faster for its length
             self._take_reference(seconds, produced)
         self.ratio = self.total / self.reference / self.rate
-        self.engine = COPY_SHARE * self.rate * self.reference
         self.limit = int(self.engine if self.host_cost is None else min(self.engine, self._host_allows(1.0)))
+
+    @property
+    def engine(self) -> float:
+        """What the copy engine moves in the reference forward's time, ``COPY_SHARE`` of it (0
+        before a reference)."""
+        return COPY_SHARE * self.rate * self.reference if self.rate and self.reference else 0.0
 
     def _take_reference(self, seconds: float, produced: int) -> None:
         if self.total and self.host_cost is not None:  # the host's measures, at the new length
