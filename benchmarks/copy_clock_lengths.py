@@ -99,6 +99,21 @@ def run_step(clock, seq: int, mode: str = "recompute+offload") -> Step:
     released = stall = 0
     n_copies = 0
     every = _counts_every_save(clock)
+
+    def hand_over(nb: int, at: float) -> None:  # a copy queued behind the engine's, from its save's making
+        nonlocal engine_free
+        engine_free = max(engine_free, at) + nb / COPY_RATE
+        copies.append([clock.schedule(nb), nb, engine_free])
+
+    def release_due() -> None:  # copies due are released: the compute stream waits for each from here
+        nonlocal device, stall, released
+        for c in copies:
+            if c[0] is not None and clock.is_due(c[0]):
+                stall += max(0.0, c[2] - device)
+                device = max(device, c[2])
+                released += c[1]
+                c[0] = None
+
     for nbytes, new in saves:
         made = device  # the save's producer ran up to here
         large = new and nbytes >= MIN_BYTES
@@ -107,32 +122,16 @@ def run_step(clock, seq: int, mode: str = "recompute+offload") -> Step:
         elif large:
             clock.produced(nbytes)
         if held is not None:  # Note [the last save waits]: the previous save's copy is handed over now
-            nb, at = held
-            start = max(engine_free, at)
-            engine_free = start + nb / COPY_RATE
-            copies.append([clock.schedule(nb), nb, engine_free])
+            hand_over(*held)
             held = None
         if large and clock.allows(nbytes):
             held = (nbytes, made)
             n_copies += 1
-        for c in copies:  # copies due are released: the compute stream waits for each from here
-            if c[0] is not None and clock.is_due(c[0]):
-                if c[2] > device:
-                    stall += c[2] - device
-                    device = c[2]
-                released += c[1]
-                c[0] = None
+        release_due()
         device += per_save
     if held is not None:  # the last save's copy, handed over at forward's end
-        nb, at = held
-        start = max(engine_free, at)
-        engine_free = start + nb / COPY_RATE
-        copies.append([clock.schedule(nb), nb, engine_free])
-    for c in copies:  # released at the end of forward only if due (the host is ahead of its device)
-        if c[0] is not None and clock.is_due(c[0]):
-            stall += max(0.0, c[2] - device)
-            device = max(device, c[2])
-            released += c[1]
+        hand_over(*held)
+    release_due()  # at the end of forward, only what is due (the host is ahead of its device)
     offloadable = sum(n for n, new in saves if new and n >= MIN_BYTES)
     host = HOST_FIXED + len(saves) * HOST_SAVE
     device = max(device, host + n_copies * HOST_COPY)  # a host behind its device sets the pace
