@@ -49,9 +49,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch", type=int, help="sequences per step (default 4; --quick 8)")
     ap.add_argument("--steps", type=int, help="timed steps per mode after one warm-up (default 3; 10 on a GPU, "
                     "whose steps are short and whose step ratios vary more between rounds)")
-    ap.add_argument("--device", default="auto", metavar="{" + ",".join(DEVICES) + ",cuda:N}",
+    ap.add_argument("--device", default="auto", metavar="{" + ",".join(DEVICES) + ",cuda:N,sim:h100,sim:h200}",
                     help="where the model trains (default auto: CUDA where available, else cpu); "
-                    "--device cuda without a GPU is an error")
+                    "--device cuda without a GPU is an error; sim:h100 and sim:h200 train on a modelled GPU "
+                    "(no GPU needed, no data computed: step times and peaks on a virtual clock, the table marked "
+                    "as modelled with the rates it assumed)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on a GPU, float32 on the CPU")
     ap.add_argument("--naive-attention", action="store_true", help="materialise the s x s scores")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, from " + ",".join(MODES) + " (default: all)")
@@ -189,6 +191,41 @@ def _max_seq(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _modelled(ns: argparse.Namespace) -> int:
+    """``--device sim:...``: the bench's modes on a modelled GPU (``ssdtrain.bench.modelled``)."""
+    from ssdtrain.bench.maxseq import MAX_SEQ_MODES, gpu_model
+    from ssdtrain.bench.modelled import (SIM_MODES, ModelledArgs, format_modelled, max_seq_modelled, run_modelled,
+                                         sim_rates)
+
+    unsupported = [flag for flag, given in (("--drive-gbps", ns.drive_gbps), ("--plot", ns.plot),
+                                            ("--naive-attention", ns.naive_attention),
+                                            ("--model llama", ns.model == "llama")) if given]
+    if unsupported:
+        raise ValueError(f"{', '.join(unsupported)}: not modelled with --device {ns.device}; run without it, "
+                         "or on a GPU (--device cuda)")
+    default = tuple(m for m in MAX_SEQ_MODES if m in SIM_MODES) if ns.max_seq else SIM_MODES
+    modes = tuple(m.strip() for m in ns.modes.split(",") if m.strip()) if ns.modes != ",".join(MODES) else default
+    base = gpu_model("gpt") if ns.max_seq else preset("quick" if ns.quick else "gpu")
+    model = base.replace(layers=ns.layers, hidden=ns.hidden, heads=ns.heads, seq=ns.seq, vocab=ns.vocab)
+    args = ModelledArgs(device=ns.device, model=model, batch=ns.batch or (1 if ns.max_seq else 4),
+                        steps=ns.steps or 3, modes=modes, dtype=DTYPES[ns.dtype or "bfloat16"])
+    if not ns.max_seq:
+        result = run_modelled(args)
+        print(format_modelled(result))
+        _outputs(ns, result, None, "")
+        return 0
+    budget = ns.memory_budget or sim_rates(ns.device).memory_bytes
+    found = [max_seq_modelled(args, m, budget, start=ns.start_seq or 2048, limit=ns.max_seq_limit) for m in modes]
+    print(f"MODELLED, not measured: {ns.device}; the longest sequence within {budget >> 20} MiB of device memory "
+          f"(weights and AdamW state included), GPT {model.layers} x {model.hidden}, batch {args.batch}")
+    for f in found:
+        step = f.get("step") or {}
+        print(f"  {f['mode']:<20} {f['seq'] or 'none':>8}  step {step.get('seconds', float('nan')) * 1e3:8.1f} ms  "
+              f"peak {step.get('peak_bytes', 0) >> 20} MiB  did not fit: {f['failed'] or '-'}")
+    _outputs(ns, {"device": ns.device, "modelled": True, "budget_bytes": budget, "max_seq": found}, None, "")
+    return 0
+
+
 def _outputs(ns: argparse.Namespace, data: dict, draw, what: str) -> None:
     """``--json`` and ``--plot`` of a run: ``data`` as JSON, ``draw()`` the plot (``None``: none yet)."""
     if ns.json:
@@ -207,6 +244,12 @@ def main(argv: list[str] | None = None) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             print("ssdtrain bench: --plot needs matplotlib; pip install 'ssdtrain[plot]'", file=sys.stderr)
+            return 2
+    if ns.device.startswith("sim:"):
+        try:
+            return _modelled(ns)
+        except ValueError as exc:
+            print(f"ssdtrain bench: {exc}", file=sys.stderr)
             return 2
     if ns.max_seq:
         try:

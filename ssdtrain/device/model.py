@@ -21,6 +21,7 @@ storages registered as such (made by ops under the mode, :meth:`ModelledGPU.empt
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 import threading
 import weakref
@@ -70,11 +71,14 @@ class ModelledGPU:
             the seed (0: no jitter).
         strict: raise :class:`ModelledRace` at the next call after a race was recorded.
         trace: keep ``timeline``, a list of ``(stream, what, start, end)``.
+        data: ``False``: memory the model makes holds no bytes (meta tensors: Note [a modelled
+            GPU without data]); for timelines and peaks at shapes the CPU could not compute.
     """
 
     def __init__(self, rates: Rates, seed: int = 0, *, jitter: float = 0.0, strict: bool = False,
-                 trace: bool = False) -> None:
-        self.rates, self.jitter, self.strict = rates, jitter, strict
+                 trace: bool = False, data: bool = True) -> None:
+        self.rates, self.jitter, self.strict, self.data = rates, jitter, strict, data
+        self._where = "cpu" if data else "meta"
         self.device = torch.device("cuda", 0)
         self._rng = random.Random(seed)
         self._lock = threading.RLock()
@@ -90,6 +94,15 @@ class ModelledGPU:
         self.races: list[str] = []
         self._unraised: list[str] = []
         self.timeline: list[tuple[str, str, float, float]] | None = [] if trace else None
+
+    # Note [a modelled GPU without data]
+    # With ``data=False`` the model's memory is meta tensors: shapes, dtypes and storages, no
+    # bytes. Ops still run (on meta: shapes only), are charged by their FLOPs and bytes, and device
+    # memory is counted per storage; copies queue and land as with data, so races are still found
+    # by order. Nothing can be compared but the timeline, the peaks and the counters: gradients
+    # are checked with data, at shapes the CPU computes. The engine offloads a meta tensor only
+    # while a modelled GPU is in use (``keep.as_is``); the pinned pool is meta too, so a host tier
+    # of tens of GiB costs this machine nothing.
 
     # -- streams, events, the host clock -------------------------------------------------------
 
@@ -119,6 +132,22 @@ class ModelledGPU:
         """The host thread spends ``seconds`` (a call's cost)."""
         self._check()
         self.host_now += seconds
+
+    # Note [the modelled host pays for each hook]
+    # The saved-tensor hooks are the host's work per save (issue 64: tens of microseconds a save
+    # on an H200's host): an Offloader made under the model wraps its pack and unpack with
+    # :meth:`charged`, so that each call moves the host clock by ``Rates.pack_s`` or
+    # ``Rates.unpack_s`` before it runs. The Python of the hooks itself runs free, as every host
+    # call does on the model; only these set costs, and the ones of each launch, copy, event and
+    # poll, are time on the model's host.
+    def charged(self, fn, seconds: float):
+        """``fn``, made to cost the host ``seconds`` a call (Note [the modelled host pays for each hook])."""
+        @functools.wraps(fn)  # torch.compile's mark stays on it
+        def call(*args, **kwargs):
+            self.host(seconds)
+            return fn(*args, **kwargs)
+        call.__self__ = getattr(fn, "__self__", None)  # whose hook it is (the scopes ask)
+        return call
 
     def synchronize(self) -> None:
         """The host waits for every stream."""
@@ -208,7 +237,7 @@ class ModelledGPU:
         """A device tensor, allocated under the current stream (uninitialised: poisoned)."""
         self._check()
         with _disable_current_modes():
-            t = torch.empty(*size, dtype=dtype)
+            t = torch.empty(*size, dtype=dtype, device=self._where)
         poison(t)
         self._register(t, DEVICE, self.current_stream())
         return t
@@ -222,7 +251,7 @@ class ModelledGPU:
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
         """``nbytes`` of pinned host memory: copies to and from it run at the full copy rate."""
         with _disable_current_modes():
-            t = torch.empty(nbytes, dtype=torch.uint8)
+            t = torch.empty(nbytes, dtype=torch.uint8, device=self._where)
         self._register(t, PINNED, None)
         return t
 
@@ -322,6 +351,8 @@ class ModelledGPU:
         storage = c.dst()
         if storage is None:
             return
+        if storage.device.type == "meta":
+            return  # no bytes to write (Note [a modelled GPU without data])
         dtype, offset, shape, stride = c.view
         with _disable_current_modes(), torch.no_grad():
             torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride).copy_(c.data)

@@ -8,15 +8,20 @@ its bytes the device tensors it reads and writes. The host pays ``Rates.launch_s
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop
 
 from ssdtrain.device.model import DEVICE, ModelledGPU, _merge, poison
 
-__all__ = ["ModelledCompute", "op_seconds"]
+__all__ = ["ModelledCompute", "fused_attention", "op_seconds"]
 
 aten = torch.ops.aten
+_lock = threading.Lock()
 
 # The CPU's own attention kernels, with the formulas of the CUDA ones (same leading arguments).
 _FLOPS = dict(flop_registry)
@@ -82,9 +87,72 @@ class ModelledCompute(TorchDispatchMode):
     def __init__(self, gpu: ModelledGPU) -> None:
         super().__init__()
         self.gpu = gpu
+        self._fused = None
+
+    def __enter__(self):
+        if not self.gpu.data:  # Note [attention on a modelled GPU without data]
+            self._fused = fused_attention()
+            self._fused.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        out = super().__exit__(*exc)
+        if self._fused is not None:
+            fused, self._fused = self._fused, None
+            fused.__exit__(*exc)
+        return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return run_op(self.gpu, func, args, kwargs or {})
+
+
+# Note [attention on a modelled GPU without data]
+# ``F.scaled_dot_product_attention`` picks its kernel by device: a GPU runs a fused (flash or
+# memory-efficient) kernel that saves q, k, v, the output and the log-sum-exp, never the s x s
+# scores; meta tensors take the math path, which makes and saves the scores (at 24k tokens, GiBs
+# a layer the GPU never holds). On a modelled GPU without data the call is therefore routed to
+# one fused op (the CPU's flash kernel, which has meta shapes and a backward, and is charged with
+# the CUDA kernel's FLOPs). With grouped-query attention its k and v are repeated to the query
+# heads first (the CUDA kernels read them shared: the model counts those bytes as well); an
+# explicit mask keeps the math path, as on a GPU without a fused kernel for it. The route is the
+# module attribute ``torch.nn.functional.scaled_dot_product_attention``, replaced while the
+# compute mode is entered and put back on exit: a torch function mode is not active where
+# checkpointing recomputes (inside backward), and the replacement changes nothing for tensors
+# that are not meta.
+_ORIGINAL = F.scaled_dot_product_attention
+_entered = [0]
+
+
+@contextlib.contextmanager
+def fused_attention():
+    """Routes ``F.scaled_dot_product_attention`` on meta tensors to a fused kernel while inside
+    (Note [attention on a modelled GPU without data])."""
+    with _lock:
+        _entered[0] += 1
+        F.scaled_dot_product_attention = _route
+    try:
+        yield
+    finally:
+        with _lock:
+            _entered[0] -= 1
+            if not _entered[0]:
+                F.scaled_dot_product_attention = _ORIGINAL
+
+
+def _route(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    return _fused_attention(_ORIGINAL, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def _fused_attention(func, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                     enable_gqa=False):
+    if attn_mask is not None or not query.is_meta:
+        return func(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                    enable_gqa=enable_gqa)
+    heads = query.size(-3)
+    if enable_gqa and key.size(-3) != heads:
+        key = key.repeat_interleave(heads // key.size(-3), dim=-3)
+        value = value.repeat_interleave(heads // value.size(-3), dim=-3)
+    return aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout_p, is_causal, scale=scale)[0]
 
 
 def run_op(gpu: ModelledGPU, func, args, kwargs):

@@ -26,6 +26,8 @@ class ModelledRace(RuntimeError):
 def poison(t: torch.Tensor) -> None:
     """Fills ``t`` with what memory not yet written by its copy reads as: NaN for floating and
     complex dtypes, bytes of 0x5A for integer dtypes (``True`` for bool)."""
+    if t.is_meta:
+        return  # no bytes to poison (Note [a modelled GPU without data])
     with _disable_current_modes(), torch.no_grad():
         if t.dtype.is_floating_point or t.dtype.is_complex:
             t.fill_(math.nan)

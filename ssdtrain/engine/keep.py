@@ -178,7 +178,8 @@ def as_is(t: torch.Tensor, pinned: frozenset[int], in_kept_module: bool) -> bool
     # Not the seam's is_cuda: the modelled GPU's tensors are CPU tensors, eligible as such, and
     # never captured (Note [an offloader made under the modelled GPU]); a call here is paid per save.
     cuda = t.is_cuda
-    if not (cuda or t.is_cpu) or t.numel() == 0 or t.is_quantized or t._is_zerotensor():
+    if (not (cuda or t.is_cpu or (t.is_meta and device.modelled_gpu() is not None))  # Note [a modelled GPU without data]
+            or t.numel() == 0 or t.is_quantized or t._is_zerotensor()):
         return True  # quantized: scales and zero points live outside the bytes
     if in_kept_module:
         return True

@@ -289,8 +289,11 @@ class Offloader(hooks.SaveHooks):
         self._keep_depth[0] = 0
         with self._lock:
             self._open_scope(scope)
-        keep.enter_hooks(keep.pack_hook(keep.untraced(self._pack), self, self._sac_probe),
-                         keep.untraced(self._unpack), self._scopes.active, scope)
+        pack, unpack = keep.untraced(self._pack), keep.untraced(self._unpack)
+        gpu = device.modelled_gpu()
+        if gpu is not None:  # Note [the modelled host pays for each hook]
+            pack, unpack = gpu.charged(pack, gpu.rates.pack_s), gpu.charged(unpack, gpu.rates.unpack_s)
+        keep.enter_hooks(keep.pack_hook(pack, self, self._sac_probe), unpack, self._scopes.active, scope)
 
     def _open_scope(self, scope: Scope) -> None:
         """Under the lock: a forward begins. Another forward comes before their backward: the
