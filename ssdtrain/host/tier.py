@@ -41,6 +41,10 @@ __all__ = ["TieredBackend"]
 log = logging.getLogger(__name__)
 
 
+PROBE_MIN_BYTES = 1 << 20
+"""Under this many bytes allocated at the first save, no rate probe (Note [the rate probe stays
+under the step's peak]); the modelled soak lowers it to give its tiny models a learned clock."""
+
 class TieredBackend(Backend):
     """The host tier in front of ``inner`` (the drives): host extents move by device copies on
     threads of their own, everything else goes to ``inner``.
@@ -107,8 +111,21 @@ class TieredBackend(Backend):
     # (a likely cause of recompute+offload failing at 40960 tokens on an H200 under a 6 GiB cap,
     # 2026-11-27, where it trained 65536, whose longer forward let the pinning finish: not proven).
     # Later slabs are pinned in the background as the pool fills (``host_pool.GROW_AT``).
+    # Note [the rate probe stays under the step's peak]
+    # The copy-rate probe copies from a device buffer of its own, allocated at the first save. At
+    # 64 MiB it made the first step's peak on a small model: on the modelled GPU, a 4-block GPT
+    # (hidden 128, seq 512, batch 4) peaked at 67 MiB in the step with recompute+offload against
+    # 28 MiB without ssdtrain, and the modelled longest-sequence search found nothing that fit a
+    # 16 MiB budget. The probe now takes at most what is allocated at the first save (the weights,
+    # the batch, what forward made so far): the step's backward holds as much again in gradients,
+    # so the probe is below the peak it would otherwise have raised, and 64 MiB from 64 MiB of
+    # weights on (any model worth offloading). Under 1 MiB allocated (a toy: a copy that small
+    # times the copy's latency, not its rate) there is no probe, and no rate, as when pinning fails.
     def _measure_rate(self, dev: torch.device) -> None:
-        mem = self.pool.allocate(64 << 20)  # the first slab is in (or pinning it failed: no rate)
+        n = min(64 << 20, measure.allocated(dev))  # Note [the rate probe stays under the step's peak]
+        if n < max(PROBE_MIN_BYTES, 1):
+            return
+        mem = self.pool.allocate(n)  # the first slab is in (or pinning it failed: no rate)
         if mem is None:
             return
         try:
