@@ -181,7 +181,7 @@ def main(argv=None) -> int:
     # what copying every block input it may costs the step, against the paced default.
     if "recompute+offload_unpaced" in args.modes:
         offs["recompute+offload_unpaced"] = ssdtrain.Offloader(model, min_bytes=0, **path, **extra)
-        offs["recompute+offload_unpaced"]._tier.clock._pace = lambda host: None
+        offs["recompute+offload_unpaced"]._tier.clock._pace = lambda *_: None  # noqa: E731
     peer = StreamedPinned(params)
     rate = d2h_rate()
     model.recompute = False
