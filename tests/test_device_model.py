@@ -161,21 +161,45 @@ def test_a_blocking_copy_makes_the_host_wait():
     assert g.host_now == ones_end + 3 * 4096 / 2.0**20 and torch.equal(host, torch.ones(1 << 10))
 
 
-def test_releasing_a_source_before_its_copy_ended_is_recorded():
+def test_releasing_a_source_before_its_copy_ended_is_recorded_when_its_copy_is_read():
+    # Note [a copy of released memory matters when read]
     g = gpu()
     with ModelledCompute(g):
         x = torch.ones(1 << 12)
-    offload(g, x, g.new_stream("out"))
+    pin, done = offload(g, x, g.new_stream("out"))
     del x  # the compute stream never waited for the copy
-    assert len(g.races) == 1 and "released" in g.races[0]
+    assert g.races == []  # nothing has read what the copy carried yet
+    done.synchronize()
+    with ModelledCompute(g):
+        total = pin.sum()  # a host op reads the copy's bytes
+    assert len(g.races) == 1 and "released" in g.races[0] and total.isnan()
+
+
+def test_a_copy_of_released_memory_that_no_one_reads_is_no_race():
+    # A dead save's copy to the pool, its extent never read (the soak's seed 1513).
+    g = gpu()
+    with ModelledCompute(g):
+        x = torch.ones(1 << 12)
+    pin, done = offload(g, x, g.new_stream("out"))
+    del x
+    done.synchronize()
+    with ModelledCompute(g):
+        y = torch.full((1 << 12,), 3.0)
+    g.copy(pin, y, g.compute, non_blocking=False)  # the extent's next copy in writes over it
+    with ModelledCompute(g):
+        assert pin.sum().item() == 3.0 * (1 << 12)
+    assert g.races == []
 
 
 def test_with_strict_a_race_raises_at_the_next_call():
     g = gpu(strict=True)
     with ModelledCompute(g):
         x = torch.ones(1 << 12)
-    offload(g, x, g.new_stream("out"))
+    pin, done = offload(g, x, g.new_stream("out"))
     del x
+    done.synchronize()
+    with ModelledCompute(g):
+        pin.sum()
     with pytest.raises(ModelledRace, match="released"):
         g.host(0.0)
     g.host(0.0)  # raised once
