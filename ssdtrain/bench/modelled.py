@@ -74,6 +74,9 @@ class ModelledArgs:
     data: bool = False
     """``True``: the model computes on CPU tensors (its bytes, at shapes the CPU can run): the
     check that the run without data gives the same timeline and peaks."""
+    seqs: tuple[int, ...] | None = None
+    """Each step's sequence length in turn, the warm-up's first (default: ``seq`` for each of
+    ``steps + 1``): steps of changing length, as a collator padding each batch to its longest."""
 
     def __post_init__(self) -> None:
         sim_rates(self.device)
@@ -93,15 +96,15 @@ def _mode_steps(name: str, args: ModelledArgs) -> list[dict]:
 
     rates = args.rates or sim_rates(args.device)
     seq = args.seq or args.model.seq
+    seqs = args.seqs or (seq,) * (args.steps + 1)
     gpu = ModelledGPU(rates, data=args.data)
     where = "cpu" if args.data else "meta"
     steps = []
     with modelled(gpu):
         torch.manual_seed(0)
         with torch.device(where):
-            model = GPT(args.model.replace(seq=max(seq, args.model.seq))).to(args.dtype)
-        tokens = torch.zeros(args.batch, seq, dtype=torch.long, device=where)
-        gpu.adopt(*model.parameters(), *model.buffers(), tokens)
+            model = GPT(args.model.replace(seq=max(*seqs, args.model.seq))).to(args.dtype)
+        gpu.adopt(*model.parameters(), *model.buffers())
 
         def make(m: torch.nn.Module, fields: dict) -> Any:
             off = ssdtrain.Offloader(m, backend="memory", host_bytes=args.host_bytes,
@@ -113,8 +116,10 @@ def _mode_steps(name: str, args: ModelledArgs) -> list[dict]:
         mode = Mode(name, model, make)
         try:
             with ModelledCompute(gpu):
-                for _ in range(args.steps + 1):
-                    steps.append(_step(gpu, mode, tokens))
+                for n in seqs:
+                    tokens = torch.zeros(args.batch, n, dtype=torch.long, device=where)
+                    gpu.adopt(tokens)
+                    steps.append({"seq": n, **_step(gpu, mode, tokens)})
         finally:
             mode.close()
     return steps
