@@ -10,6 +10,12 @@ Tolerance (issue 63): 10 points of a share, 5% of a step ratio; a row outside it
 effect the model lacks.
 
     python benchmarks/model_vs_recorded.py [--json F]     # about 2 minutes on 2 cores
+
+The table in docs/results.md (11 of 14 within tolerance) was made at commit 1e932fe, with the
+engine those GPU runs had. The fence change after it (Note [a copy is due when its fence is])
+removes a wait the recorded runs had: on today's code the model gives offload x1.003 and
+recompute+offload x1.069, out of tolerance against those records by design, until a GPU
+measures the new code.
 """
 
 from __future__ import annotations
