@@ -32,55 +32,13 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ssdtrain._units import fmt_bytes
 from ssdtrain.device import cuda as seam
-from ssdtrain.device.model_streams import Event, ModelledRace, Stream, _covers, _Engine, _merge, poison
+from ssdtrain.device.model_streams import (Event, ModelledRace, Stream, _Copy, _covers, _Engine, _merge, _overlap,
+                                           _span, _Storage, poison)
 from ssdtrain.device.rates import Rates
 
 __all__ = ["ModelledGPU", "Stream", "Event", "ModelledRace", "poison", "modelled"]
 
 DEVICE, PINNED, HOST = "device", "pinned", "host"
-
-
-class _Storage:
-    """What the model knows of one live storage."""
-
-    __slots__ = ("kind", "nbytes", "stream", "writes", "incoming", "outgoing", "recorded", "tainted")
-
-    def __init__(self, kind: str, nbytes: int, stream: Stream | None) -> None:
-        self.kind, self.nbytes, self.stream = kind, nbytes, stream
-        self.writes: list[tuple[Stream, tuple[int, int], tuple[int, int]]] = []  # (stream, op key, bytes)
-        self.incoming: list[_Copy] = []  # copies writing it, not yet landed
-        self.outgoing: list[_Copy] = []  # copies reading it, not yet seen ended
-        self.recorded: set[int] = set()  # streams named by record_stream
-        self.tainted: list[tuple[tuple[int, int], str]] = []  # Note [a copy of released memory matters when read]
-
-
-class _Copy:
-    __slots__ = ("stream", "key", "end", "label", "data", "dst", "view", "landed", "src_span", "dst_span", "tainted")
-
-    def __init__(self, stream, key, end, label, data, dst, view, src_span, dst_span) -> None:
-        self.stream, self.key, self.end, self.label = stream, key, end, label
-        self.data, self.dst, self.view, self.landed = data, dst, view, False
-        self.src_span, self.dst_span = src_span, dst_span
-        self.tainted: str | None = None  # read from a released device buffer: why
-
-
-# Note [races are found byte range by byte range]
-# Order is checked for the bytes an access touches, not for its whole storage: the host tier's
-# pool is one pinned slab whose extents are views, and a copy into one extent while another
-# extent's copy back runs is no race. Judged per storage, it was reported as one (the soak's seed
-# 1513, in 2% of replays on a busy machine: a late save's copy in beside the first copy back). A
-# write is remembered with its byte span; a copy with the spans it reads and writes.
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """The bytes of its storage that ``t`` covers, ``[lo, hi)``."""
-    size = t.element_size()
-    lo = t.storage_offset() * size
-    if t.numel() == 0:
-        return lo, lo
-    return lo, lo + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * size
-
-
-def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
-    return a[0] < b[1] and b[0] < a[1]
 
 
 class ModelledGPU:
