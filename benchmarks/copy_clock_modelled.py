@@ -44,8 +44,10 @@ def run(layers: int) -> dict:
         for i, (r, o) in enumerate(zip(rec, off)):
             bound = min(rates.d2h_bytes_per_s * r["forward"], o["unique"])
             fall = (r["peak_bytes"] - r["start_bytes"]) - (o["peak_bytes"] - o["start_bytes"])
-            rows.append({"step": i, "seq": o["seq"], "share": o["copied"] / bound if bound else None, "fall": fall,
-                         "ratio": o["seconds"] / r["seconds"], "copied": o["copied"], "bound": bound})
+            off_gpu = o["copied"] + o["spilled"]
+            rows.append({"step": i, "seq": o["seq"], "share": off_gpu / bound if bound else None, "fall": fall,
+                         "ratio": o["seconds"] / r["seconds"], "copied": o["copied"], "spilled": o["spilled"],
+                         "bound": bound})
         after = [row for row in rows if row["step"] >= WARM]
         out[name] = {"rows": rows, "lowest_share": min(row["share"] for row in after),
                      "highest_ratio": max(row["ratio"] for row in after)}
@@ -64,8 +66,9 @@ def main(argv: list[str] | None = None) -> int:
               f"x{r['highest_ratio']:.3f}")
         shown = r["rows"] if len(r["rows"]) <= 16 else r["rows"][:4] + r["rows"][-4:]
         for row in shown:
-            print(f"   step {row['step']:>2} seq {row['seq']:>6}: copied {row['share']:5.0%} of its bound "
-                  f"({row['bound'] / 2**30:.2f} GiB), peak's fall {row['fall'] / 2**20:.0f} MiB, "
+            print(f"   step {row['step']:>2} seq {row['seq']:>6}: off the GPU {row['share']:5.0%} of its bound "
+                  f"({row['bound'] / 2**30:.2f} GiB; {row['spilled'] / 2**20:.0f} MiB of it spilled), "
+                  f"peak's fall {row['fall'] / 2**20:.0f} MiB, "
                   f"step x{row['ratio']:.3f} of recompute's")
     print(f"({time.perf_counter() - t0:.0f} s; modelled H100, {ns.layers} blocks of hidden 4096)")
     if ns.json:

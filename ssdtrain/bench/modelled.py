@@ -157,7 +157,8 @@ def _step(gpu: Any, mode: Mode, tokens: torch.Tensor) -> dict:
         after = mode.off.stats()
         step.update(unique=after.unique_bytes - before.unique_bytes,
                     copied=after.host_copied_bytes - before.host_copied_bytes,
-                    kept=after.kept_bytes - before.kept_bytes)
+                    kept=after.kept_bytes - before.kept_bytes, limit=after.host_copy_limit_bytes,
+                    spilled=after.spilled_bytes - before.spilled_bytes, pinned=after.host_tier_pinned_bytes)
     return step
 
 
