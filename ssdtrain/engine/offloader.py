@@ -398,7 +398,8 @@ class Offloader(hooks.SaveHooks):
             if not room and not clock.deferred:
                 warnings.warn(
                     f"ssdtrain: the host tier took {clock.sent / 2**30:.2f} GiB off the last step's "
-                    f"peak, and {self._fwd_dev} has no room to measure a forward without it; the tier copies every "
+                    f"peak, and {'the modelled GPU' if device.modelled_gpu() is not None else self._fwd_dev} has no "
+                    "room to measure a forward without it; the tier copies every "
                     "save it can until it has (a slower step than a learned copy budget, not out of memory)",
                     RuntimeWarning, stacklevel=4)
         clock.begin(room)
