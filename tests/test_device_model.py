@@ -161,15 +161,22 @@ def test_a_blocking_copy_makes_the_host_wait():
     assert g.host_now == ones_end + 3 * 4096 / 2.0**20 and torch.equal(host, torch.ones(1 << 10))
 
 
-def test_releasing_a_source_before_its_copy_ended_is_recorded_when_its_copy_is_read():
-    # Note [a copy of released memory matters when read]
-    g = gpu()
+def released_copy(g: ModelledGPU):
+    """A device buffer offloaded to pinned memory and dropped before the compute stream waited
+    for the copy; the host then sees the copy end. Returns the pinned copy."""
     with ModelledCompute(g):
         x = torch.ones(1 << 12)
     pin, done = offload(g, x, g.new_stream("out"))
     del x  # the compute stream never waited for the copy
     assert g.races == []  # nothing has read what the copy carried yet
     done.synchronize()
+    return pin
+
+
+def test_releasing_a_source_before_its_copy_ended_is_recorded_when_its_copy_is_read():
+    # Note [a copy of released memory matters when read]
+    g = gpu()
+    pin = released_copy(g)
     with ModelledCompute(g):
         total = pin.sum()  # a host op reads the copy's bytes
     assert len(g.races) == 1 and "released" in g.races[0] and total.isnan()
@@ -178,11 +185,7 @@ def test_releasing_a_source_before_its_copy_ended_is_recorded_when_its_copy_is_r
 def test_a_copy_of_released_memory_that_no_one_reads_is_no_race():
     # A dead save's copy to the pool, its extent never read (the soak's seed 1513).
     g = gpu()
-    with ModelledCompute(g):
-        x = torch.ones(1 << 12)
-    pin, done = offload(g, x, g.new_stream("out"))
-    del x
-    done.synchronize()
+    pin = released_copy(g)
     with ModelledCompute(g):
         y = torch.full((1 << 12,), 3.0)
     g.copy(pin, y, g.compute, non_blocking=False)  # the extent's next copy in writes over it
@@ -193,11 +196,7 @@ def test_a_copy_of_released_memory_that_no_one_reads_is_no_race():
 
 def test_with_strict_a_race_raises_at_the_next_call():
     g = gpu(strict=True)
-    with ModelledCompute(g):
-        x = torch.ones(1 << 12)
-    pin, done = offload(g, x, g.new_stream("out"))
-    del x
-    done.synchronize()
+    pin = released_copy(g)
     with ModelledCompute(g):
         pin.sum()
     with pytest.raises(ModelledRace, match="released"):

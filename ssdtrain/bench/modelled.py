@@ -191,9 +191,8 @@ def run_modelled(args: ModelledArgs) -> dict:
 def fits(args: ModelledArgs, name: str, budget: int) -> tuple[bool, dict]:
     """Whether ``name`` trains within ``budget`` device bytes at ``args.seq`` (every step's modelled
     peak, weights and optimizer state included), with its last step."""
-    steps = _mode_steps(name, dataclasses.replace(args, modes=(name,), rates=sim_rates(
-        args.device, budget, **({} if args.rates is None else {
-            f.name: getattr(args.rates, f.name) for f in dataclasses.fields(args.rates) if f.name != "memory_bytes"}))))
+    capped = dataclasses.replace(args.rates or sim_rates(args.device), memory_bytes=budget)
+    steps = _mode_steps(name, dataclasses.replace(args, modes=(name,), rates=capped))
     return all(s["peak_bytes"] <= budget for s in steps), steps[-1]
 
 

@@ -140,14 +140,9 @@ def fused_attention():
 
 
 def _route(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    return _fused_attention(_ORIGINAL, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-
-
-def _fused_attention(func, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                     enable_gqa=False):
     if attn_mask is not None or not query.is_meta:
-        return func(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                    enable_gqa=enable_gqa)
+        return _ORIGINAL(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                         scale=scale, enable_gqa=enable_gqa)
     heads = query.size(-3)
     if enable_gqa and key.size(-3) != heads:
         key = key.repeat_interleave(heads // key.size(-3), dim=-3)

@@ -63,6 +63,7 @@ PROBE_MIN_BYTES = 1 << 20
 """Under this many bytes allocated at the first save, no rate probe (Note [the rate probe stays
 under the step's peak]); the modelled soak lowers it to give its tiny models a learned clock."""
 
+
 class TieredBackend(Backend):
     """The host tier in front of ``inner`` (the drives): host extents move by device copies on
     threads of their own, everything else goes to ``inner``.
