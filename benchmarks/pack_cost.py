@@ -47,10 +47,18 @@ from ssdtrain.engine import offloader as offloader_mod
 from ssdtrain.bench.models import GPT, GPTConfig
 
 
-def _timed(off: ssdtrain.Offloader, spent: dict, prof: cProfile.Profile) -> None:
-    """Wraps the offloader's hooks to add their thread CPU time to ``spent``, and their Python
-    calls to ``prof`` while ``spent["profile"]`` is set (a step of its own: cProfile's cost is
-    not timed)."""
+class _Hooks:
+    """Hooks given as two callables (``identity``; a peer's own), timed as the offloader's are."""
+
+    def __init__(self, pack, unpack) -> None:
+        self._pack, self._unpack = pack, unpack
+
+
+def _timed(off, spent: dict, prof: cProfile.Profile) -> None:
+    """Wraps ``off``'s hooks (``_pack``, ``_unpack``) to add their thread CPU time to ``spent``,
+    and pack's Python calls to ``prof`` while ``spent["profile"]`` is set (a step of its own:
+    cProfile's cost is not timed). Every mode, ``identity`` included, goes through this wrapper:
+    its own cost (two clock reads, about 1 us here) is in the identity floor printed beside."""
     for name in ("_pack", "_unpack"):
         fn = getattr(off, name)
 
@@ -68,7 +76,7 @@ def _timed(off: ssdtrain.Offloader, spent: dict, prof: cProfile.Profile) -> None
             finally:
                 spent[name] += time.thread_time() - t
                 spent[name + "_n"] += 1
-        setattr(off, name, types.MethodType(run, off))
+        setattr(off, name, types.MethodType(run, off))  # a bound method, as keep.untraced wants
 
 
 def _calls(prof: cProfile.Profile, fn_name: str) -> int:
@@ -77,15 +85,75 @@ def _calls(prof: cProfile.Profile, fn_name: str) -> int:
     return sum(nc for (_, _, name), (_, nc, _, _, _) in stats.items() if name != fn_name)
 
 
+def _torchtune():
+    """torchtune's ``OffloadActivations`` class and version, or why not."""
+    try:
+        from torchtune.training import OffloadActivations
+        import torchtune
+    except Exception as exc:  # an import error of torchtune or of what it imports
+        return None, f"torchtune does not import ({type(exc).__name__}: {str(exc)[:80]}); {TORCHTUNE_HINT}"
+    return OffloadActivations, torchtune.__version__
+
+
+TORCHTUNE_HINT = "pip install torchtune==0.6.1 torchao==0.10.0 datasets omegaconf sentencepiece tiktoken blobfile"
+PEERS = ("save_on_cpu", "torchtune")
+
+
+def _peer_hooks(mode: str, device: torch.device):
+    """The peer's own context manager, its hooks wrapped for timing (``_Hooks``), and a note."""
+    if mode == "save_on_cpu":
+        ctx = torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
+        note = f"torch {torch.__version__} save_on_cpu" + (" (on the CPU its .cpu() copies nothing)"
+                                                          if device.type == "cpu" else "")
+    else:
+        cls, version = _torchtune()
+        if cls is None:
+            return None, None, version
+        if device.type == "cuda":
+            ctx, note = cls(), f"torchtune {version} OffloadActivations()"
+        else:
+            # Its __init__ asks torch.cuda.default_stream(), which a CPU torch cannot answer: None
+            # stands in for it (its hooks use no stream with use_streams=False). Its unpack moves
+            # to "cuda": on the CPU only its pack runs (forward only, a new instance a step).
+            real = torch.cuda.default_stream
+            torch.cuda.default_stream = lambda *a, **k: None
+            try:
+                ctx = cls(use_pin_memory=False, use_streams=False)
+            finally:
+                torch.cuda.default_stream = real
+            note = (f"torchtune {version} OffloadActivations(use_pin_memory=False, use_streams=False); "
+                    "on the CPU its pack only (its unpack moves to cuda)")
+    hooks = _Hooks(ctx.pack_hook, ctx.unpack_hook)
+    return ctx, hooks, note
+
+
 def measure(mode: str, model, tokens, steps: int, path: str) -> dict:
     """One mode: ``steps`` timed steps after three to warm up, then one profiled step."""
     spent = dict.fromkeys(("_pack", "_unpack", "_pack_n", "_unpack_n", "_pack_calls_n", "_unpack_calls_n",
                            "profile"), 0)
     prof = cProfile.Profile()
     off = None
+    note = ""
+    backward = True
+    dev = tokens.device
     if mode == "identity":
+        hooks = _Hooks(lambda t: t, lambda t: t)
+        _timed(hooks, spent, prof)
+
         def ctx():
-            return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+            return torch.autograd.graph.saved_tensors_hooks(hooks._pack, hooks._unpack)
+    elif mode in PEERS:
+        first, hooks, note = _peer_hooks(mode, dev)
+        if first is None:
+            return {"mode": mode, "unavailable": note}
+        backward = not (mode == "torchtune" and dev.type != "cuda")
+
+        def ctx():
+            c, h, _ = (first, hooks, None) if not spent.get("made") else _peer_hooks(mode, dev)
+            spent["made"] = 1
+            _timed(h, spent, prof)
+            c.pack_hook, c.unpack_hook = h._pack, h._unpack
+            return c
     else:
         kw = {"min_bytes": 0, "backend": "memory"}
         if mode in ("drive", "kept"):
@@ -97,38 +165,61 @@ def measure(mode: str, model, tokens, steps: int, path: str) -> dict:
 
         def ctx():
             return off
-    fwd, bwd, fwd_all = [], [], []
+    fwd, bwd, step_all = [], [], []
     for i in range(steps + 4):
         if i == 3:
             for k in spent:
-                spent[k] = 0
+                if k != "made":
+                    spent[k] = 0
         spent["profile"] = i == steps + 3
         model.zero_grad(set_to_none=True)
         t, p = time.thread_time(), time.process_time()
         with ctx():
             loss = model(tokens, tokens)
-        t1, p1 = time.thread_time(), time.process_time()
-        loss.backward()
+        t1 = time.thread_time()
+        if backward:
+            loss.backward()
         t2 = time.thread_time()
         if off is not None:
             off.wait()
+        p2 = time.process_time()
+        del loss
         if 3 <= i < steps + 3:
             fwd.append(t1 - t)
             bwd.append(t2 - t1)
-            fwd_all.append(p1 - p)
-    out = {"mode": mode, "forward_ms": statistics.median(fwd) * 1e3, "backward_ms": statistics.median(bwd) * 1e3,
-           "forward_all_threads_ms": statistics.median(fwd_all) * 1e3}
+            step_all.append(p2 - p)
+    out = {"mode": mode, "note": note, "forward_ms": statistics.median(fwd) * 1e3,
+           "backward_ms": statistics.median(bwd) * 1e3 if backward else None,
+           "step_all_threads_ms": statistics.median(step_all) * 1e3}
+    n = max(spent["_pack_n"], 1)
+    out["saves"] = spent["_pack_n"] / steps
+    out["pack_us"] = spent["_pack"] / n * 1e6
+    out["unpack_us"] = spent["_unpack"] / spent["_unpack_n"] * 1e6 if spent["_unpack_n"] else None
+    # less the hook itself and the profiler's disable, one each a save
+    out["pack_calls"] = _calls(prof, "run") / max(spent["_pack_calls_n"], 1) - 2
+    out["copied_bytes_per_step"] = 0
     if off is not None:
-        n = max(spent["_pack_n"], 1)
-        out["saves"] = spent["_pack_n"] / steps
-        out["pack_us"] = spent["_pack"] / n * 1e6
-        out["unpack_us"] = spent["_unpack"] / max(spent["_unpack_n"], 1) * 1e6
-        out["pack_calls"] = _calls(prof, "_pack") / max(spent["_pack_calls_n"], 1)
         st = off.stats()
         out["host_copied_bytes"], out["written_bytes"], out["kept_bytes"] = (
             st.host_copied_bytes, st.written_bytes, st.kept_bytes)
+        out["copied_bytes_per_step"] = (st.written_bytes + st.read_bytes) / (steps + 4)
         off.close()
     return out
+
+
+def memcpy_rate(nbytes: int, count: int = 512) -> float:
+    """This machine's copy rate (bytes/s) for ``count`` distinct tensors of ``nbytes`` each into
+    distinct buffers (beyond the caches at the default sizes): the best of five passes."""
+    n = max(1, nbytes)
+    src = [torch.empty(n, dtype=torch.uint8).fill_(1) for _ in range(count)]
+    dst = [torch.empty(n, dtype=torch.uint8) for _ in range(count)]
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        for d, s_ in zip(dst, src):
+            d.copy_(s_)
+        best = min(best, time.perf_counter() - t)
+    return n * count / best
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--modes", default="identity,tier,drive,kept")
+    ap.add_argument("--modes", default="identity,kept,tier,drive,save_on_cpu,torchtune")
     ap.add_argument("--json", metavar="FILE")
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
@@ -162,29 +253,50 @@ def main(argv: list[str] | None = None) -> int:
         offloader_mod._TIER_DEVICES = tier_devices
     rows = []
     for mode in modes:
+        if "unavailable" in runs[mode][0]:
+            rows.append(runs[mode][0])
+            continue
         row = dict(runs[mode][0])
         for k, v in row.items():
             if isinstance(v, float):
                 row[k] = statistics.median(r[k] for r in runs[mode])
         rows.append(row)
     ref = next((r for r in rows if r["mode"] == "identity"), None)
-    print(f"{'mode':9s} {'saves':>6s} {'pack us':>8s} {'calls':>6s} {'unpack us':>10s} {'fwd ms':>8s} {'bwd ms':>8s}"
-          f" {'fwd +us/save':>13s} {'bwd +us/save':>13s} {'fwd all threads +us/save':>25s}")
+    save_bytes = a.batch * a.seq * a.hidden * 4  # a float32 activation of the block
+    rate = memcpy_rate(save_bytes)
+    print(f"memcpy: {rate / 1e9:.2f} GB/s for copies of {save_bytes} B (one activation of this model), the best of "
+          "five passes over 512 distinct tensors")
+    print(f"{'mode':12s} {'saves':>6s} {'pack us':>8s} {'calls':>6s} {'unpack us':>10s} {'fwd ms':>8s} {'bwd ms':>8s}"
+          f" {'fwd +us/save':>13s} {'all threads +us/save':>21s} {'of it copying':>14s} {'beyond':>7s}")
     for r in rows:
+        if "unavailable" in r:
+            print(f"{r['mode']:12s} unavailable: {r['unavailable']}")
+            continue
         extra = ""
-        if ref is not None and "saves" in r:
+        if ref is not None and r["saves"] and r is not ref:
             r["forward_extra_us_per_save"] = (r["forward_ms"] - ref["forward_ms"]) * 1e3 / r["saves"]
-            r["backward_extra_us_per_save"] = (r["backward_ms"] - ref["backward_ms"]) * 1e3 / r["saves"]
-            r["forward_all_threads_extra_us_per_save"] = (
-                (r["forward_all_threads_ms"] - ref["forward_all_threads_ms"]) * 1e3 / r["saves"])
-            extra = (f" {r['forward_extra_us_per_save']:13.1f} {r['backward_extra_us_per_save']:13.1f}"
-                     f" {r['forward_all_threads_extra_us_per_save']:25.1f}")
-        print(f"{r['mode']:9s} {r.get('saves', 0):6.0f} {r.get('pack_us', 0):8.1f} {r.get('pack_calls', 0):6.1f}"
-              f" {r.get('unpack_us', 0):10.1f}"
-              f" {r['forward_ms']:8.2f} {r['backward_ms']:8.2f}{extra}")
+            extra = f" {r['forward_extra_us_per_save']:13.1f}"
+            if r["backward_ms"] is not None:  # a whole step against identity's
+                r["all_threads_extra_us_per_save"] = (
+                    (r["step_all_threads_ms"] - ref["step_all_threads_ms"]) * 1e3 / r["saves"])
+                r["copy_us_per_save"] = r["copied_bytes_per_step"] / rate * 1e6 / r["saves"]
+                r["all_threads_beyond_copy_us_per_save"] = r["all_threads_extra_us_per_save"] - r["copy_us_per_save"]
+                extra += (f" {r['all_threads_extra_us_per_save']:21.1f} {r['copy_us_per_save']:14.1f}"
+                          f" {r['all_threads_beyond_copy_us_per_save']:7.1f}")
+        unpack = f"{r['unpack_us']:10.1f}" if r["unpack_us"] is not None else f"{'-':>10s}"
+        bwd = f"{r['backward_ms']:8.2f}" if r["backward_ms"] is not None else f"{'-':>8s}"
+        print(f"{r['mode']:12s} {r['saves']:6.0f} {r['pack_us']:8.1f} {r['pack_calls']:6.1f} {unpack}"
+              f" {r['forward_ms']:8.2f} {bwd}{extra}")
+    for r in rows:
+        if r.get("note"):
+            print(f"  {r['mode']}: {r['note']}")
+    print("pack us, unpack us: the training thread's CPU time a call, through one timing wrapper (identity: the "
+          "floor, the wrapper included); calls: Python and builtin calls a save in pack; all threads: the step's "
+          "process CPU time above identity's, a save; of it copying: the bytes copied and read back a save at the "
+          "memcpy rate above")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"device": str(dev), "args": vars(a), "rows": rows}, f, indent=1)
+            json.dump({"device": str(dev), "args": vars(a), "memcpy_bps": rate, "rows": rows}, f, indent=1)
     return 0
 
 

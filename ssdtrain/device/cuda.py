@@ -325,6 +325,11 @@ def capturing() -> bool:
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
+def capturing_now() -> bool:
+    """``capturing()`` for a thread that holds a CUDA tensor (CUDA is initialised): one call."""
+    return torch._C._cuda_isCurrentStreamCapturing()
+
+
 _local = threading.local()
 
 

@@ -210,6 +210,7 @@ class StorageIndex:
 
     def __init__(self) -> None:
         self._by_key: dict[int, list[Entry]] = {}
+        self.keys = self._by_key  # ``key in keys``: whether ``find`` can find anything (no call)
 
     def find(self, t: torch.Tensor, lo: int, hi: int) -> Entry | None:
         key = t.untyped_storage()._cdata

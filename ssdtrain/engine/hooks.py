@@ -19,7 +19,8 @@ import torch
 from ssdtrain.device import cuda as device
 from ssdtrain.device import measure
 from ssdtrain.engine import keep
-from ssdtrain.engine.cache import Entry, Parts, Ref, Small, State, byte_span, entry_span, rebuild
+from ssdtrain.engine.cache import Entry, Parts, Ref, Small, State, rebuild
+from ssdtrain.engine.views import SPAN_ALIGN
 from ssdtrain.engine.peak import possible_bytes
 from ssdtrain.engine.schedule import Scope
 from ssdtrain.store import StorageError
@@ -37,74 +38,148 @@ _now = time.perf_counter  # a seam for tests (the Offloader reads the time throu
 # is C code from torch 2.14 on, with no frame to tell it by).
 _op_now = getattr(torch.autograd, "_get_sequence_nr", None) or (lambda: 0)
 
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+_strided = torch.strided
+_profiler = torch.autograd.profiler
+
 
 class SaveHooks:
     """Pack, unpack and safe points of an :class:`~ssdtrain.engine.offloader.Offloader` (its base)."""
 
     # -- pack ---------------------------------------------------------------------------------
+    # Note [pack's common case in one function]
+    # Every call below is paid once per save, on the thread that launches the model's kernels
+    # (about 325 saves a step at the bench's GPU shape; 37 us a save doubled an H200's host
+    # forward, 2026-11-27), and on the CPU the same Python costs the same: so pack makes as few
+    # calls as it can (``benchmarks/pack_cost.py`` counts them, tests/test_pack_cost.py holds the
+    # count). A plain strided CPU or CUDA tensor outside a kept module, on an open offloader, is
+    # screened here by properties (no call): a parameter or a view of one, a weight cast, a
+    # storage of the model's, a small storage (Note [a small save skips the cache]) and a save
+    # its forward's budget keeps (Note [a save the budget keeps skips the cache]) are settled in
+    # this function; everything else (subclasses, meta, quantized, empty, zero tensors, CUDA
+    # graph capture, a kept module, a closed offloader, a profiler) takes the general path,
+    # ``_pack_general``, which asks ``keep.as_is`` every question. Both reach the same state for
+    # the same save (tests/test_pack_cost.py compares them). An inference tensor never reaches
+    # a pack hook: autograd refuses to save one before it calls hooks (the same test holds it).
     def _pack(self, t: torch.Tensor) -> Any:
+        if type(t) is _Parameter:
+            return t  # keep.as_is: a parameter (a leaf: keep.alias hands it back as it is)
+        if (type(t) is not _Tensor or t.layout is not _strided or not (t.is_cuda or t.is_cpu) or t.is_quantized
+                or not t.nbytes or self._keep_depth[0] or self._closed or _profiler._is_profiler_enabled):
+            return self._pack_general(t)
+        base = t._base
+        src = t if base is None else base
+        if type(src) is not _Tensor:
+            if type(src) is _Parameter:
+                return t.detach()  # a view of a parameter (keep.as_is; keep.alias of a view)
+            return self._pack_general(t)
+        if t._is_zerotensor():
+            return self._pack_general(t)
+        if src.requires_grad and src.is_leaf:
+            return t if t.is_leaf else t.detach()  # a parameter, or a view of one (keep.alias)
+        fn = src.grad_fn
+        if fn is not None and type(fn).__name__ == "ToCopyBackward0":
+            return self._pack_general(t)  # maybe a weight cast (keep._is_weight_cast)
+        if t.is_cuda and device.capturing_now():
+            return self._pack_general(t)  # refused there
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self._pinned:
+            return t if t.is_leaf else t.detach()
+        return self._pack_plain(t, storage, key)
+
+    def _pack_general(self, t: torch.Tensor) -> Any:
+        """Pack of any save: every question of ``keep.as_is`` asked (Note [pack's common case in
+        one function])."""
         if keep.as_is(t, self._pinned, self._keep_depth[0] > 0):
             return keep.alias(t)
         if type(t) is not torch.Tensor:
             return self._pack_parts(t)
-        # Note [pack is the training thread's time]: every call below is paid once per save, on
-        # the thread that launches the model's kernels (about 325 saves a step at the bench's GPU
-        # shape; 37 us a save doubled an H200's host forward, 2026-11-27): each value is read
-        # once, no context manager is entered unless a profiler runs. benchmarks/pack_cost.py counts the calls and times them.
         self._check_open()
         storage = t.untyped_storage()
-        nbytes = t.nbytes
-        storage_bytes = storage.nbytes()
-        if storage_bytes < self._small_bytes:  # Note [a small save skips the cache]
-            scope = self._step_scope()
-            with self._lock:
-                if self._peak.active:
-                    self._peak.produced(nbytes, _now())
-                if self._tier is not None and (t.is_cuda or self._tier_cpu):  # Note [the copy clock counts every save]
-                    self._tier.clock.produced(0 if storage._cdata in self._cache.small.rows else nbytes)
-                return self._cache.small.add(t, storage, scope.stats_id)
-        self._safe_point(raise_errors=True)
         if torch.autograd.profiler._is_profiler_enabled:
             with profiled("ssdtrain.pack"):
-                return self._pack_entry(t, storage, nbytes, storage_bytes)
-        return self._pack_entry(t, storage, nbytes, storage_bytes)
+                return self._pack_plain(t, storage, storage._cdata)
+        return self._pack_plain(t, storage, storage._cdata)
 
-    def _pack_entry(self, t: torch.Tensor, storage: Any, nbytes: int, storage_bytes: int) -> Any:
-        """Pack of a save that is not small: shared, kept at once, or a new entry."""
+    def _pack_plain(self, t: torch.Tensor, storage: Any, key: int) -> Any:
+        """Pack of a plain tensor that is not kept as it is: small, kept at once, or an entry."""
+        nbytes = t.nbytes
+        storage_bytes = storage.nbytes()
+        active = self._scopes.active
+        scope = active[-1][1] if active else None
+        if scope is None or (scope.backward_started and scope.stats_id is None):
+            scope = self._step_scope()  # a new step's forward, or a save made by backward
+        tier = self._tier is not None and (t.is_cuda or self._tier_cpu)
+        small = self._cache.small
+        if storage_bytes < self._small_bytes:  # Note [a small save skips the cache]
+            with self._lock:
+                peak = self._peak
+                if peak.active:  # PeakClock.produced, inline
+                    peak.pos += nbytes
+                    peak._positions.append(peak.pos)
+                    peak._times.append(_now() - peak.start)
+                if tier:  # Note [the copy clock counts every save]
+                    self._tier.clock.produced(0 if key in small.rows else nbytes)
+                return small.add(t, storage, scope.stats_id, None, storage_bytes)
+        cache = self._cache
+        if (self._graveyard or self._writer.completed or cache.late or small.dead or cache.lagging
+                or self._failures.pending):
+            self._safe_point(raise_errors=True)  # its conditions, asked here without its call
         op = _op_now()  # Note [a save is copied only after its op returned]
-        scope = self._step_scope()
-        view_lo, view_hi = byte_span(t)
-        lo, hi = entry_span(view_lo, view_hi, storage_bytes)
-        layer = self._layer_stack[-1] if self._layer_stack else None
+        itemsize = t.itemsize
+        contiguous = t.is_contiguous()
+        if contiguous and nbytes == storage_bytes:  # all of its storage: at offset 0
+            view_lo, view_hi = 0, nbytes
+        elif contiguous:  # views.byte_span, inline
+            view_lo = t.storage_offset() * itemsize
+            view_hi = view_lo + nbytes
+        else:
+            view_lo = t.storage_offset() * itemsize
+            reach = 0
+            for n, step in zip(t.shape, t.stride()):
+                reach += (n - 1) * step
+            view_hi = view_lo + (reach + 1) * itemsize
+        if 2 * (view_hi - view_lo) >= storage_bytes:  # views.entry_span, inline
+            lo, hi = 0, storage_bytes
+        else:
+            lo, hi = view_lo - view_lo % SPAN_ALIGN, view_hi
+        writer = self._writer
+        out = None
         with self._lock:
-            if self._peak.active:
-                self._peak.produced(nbytes, _now())
-            entry = self._cache.index.find(t, view_lo, view_hi)
-            if entry is not None and self._tier is not None and (t.is_cuda or self._tier_cpu):
-                self._tier.clock.produced(0)  # a save of a storage saved before: counted, no bytes
-            small = None
+            peak = self._peak
+            if peak.active:  # PeakClock.produced, inline
+                peak.pos += nbytes
+                peak._positions.append(peak.pos)
+                peak._times.append(_now() - peak.start)
+            entry = self._cache.index.find(t, view_lo, view_hi) if key in self._cache.index.keys else None
             if entry is None:  # Note [a save the budget keeps skips the cache]
                 why = self._kept_at_once(t, hi - lo)
                 if why is not None:
-                    if (self._tier is not None and (t.is_cuda or self._tier_cpu)
-                            and storage._cdata not in self._cache.small.rows):
+                    if tier and key not in small.rows:
                         self._tier.clock.produced(hi - lo)  # Note [the copy clock counts every save]
-                    small = self._cache.small.add(t, storage, scope.stats_id, why)
-                    self._writer.passed(scope, hi - lo, op)
-            if small is None:
+                    out = small.add(t, storage, scope.stats_id, why, storage_bytes)
+                    if op != scope.op or scope.held is not None:  # else WriteQueue.passed does nothing
+                        writer.passed(scope, hi - lo, op)
+            elif tier:
+                self._tier.clock.produced(0)  # a save of a storage saved before: counted, no bytes
+            if out is None:
                 self._counters.add(scope.stats_id, "saved_bytes", nbytes)
                 fresh = entry is None
                 try:
                     if fresh:
+                        self._check_open()  # the fork check: an entry's bytes go to the backend
+                        layer = self._layer_stack[-1] if self._layer_stack else None
                         entry = self._new_entry(t, lo, hi, scope, layer, op)
-                    ref = Ref(entry, t, self._graveyard)
+                    out = Ref(entry, t, self._graveyard)
                 except BaseException:
                     if fresh and entry is not None and entry.refs == 0:  # interrupted: nothing holds it
                         self._drop_ref(entry, -1, None)
                     raise
-        if self._writer.pack_pumps:
-            self._writer.pump()
-        return ref if small is None else small
+        if writer._queue and writer.pack_pumps:
+            writer.pump()
+        return out
 
     def _pack_parts(self, t: torch.Tensor) -> Any:
         """Note [a DTensor is saved by its parts]: each tensor part packed as a save of its own."""

@@ -8,7 +8,6 @@ from collections import deque
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from ssdtrain.engine import keep
 from ssdtrain.engine.views import modified
@@ -29,15 +28,11 @@ __all__ = ["Small", "SmallSaves"]
 # the live saves of each small storage, and a dying Small only files its storage's key (a deque
 # append, as a Ref files itself), settled under the lock at the next safe point.
 class Small:
-    """What autograd holds for a save whose storage is under ``min_bytes``."""
+    """What autograd holds for a save whose storage is under ``min_bytes``: made by
+    :meth:`SmallSaves.add`, which sets its fields (no ``__init__``: a call fewer a save, Note
+    [pack's common case in one function] in ``hooks.py``)."""
 
     __slots__ = ("alias", "version", "key", "dead")
-
-    def __init__(self, alias: torch.Tensor, key: int) -> None:
-        self.dead: deque | None = None  # not counted yet: one that dies now files nothing
-        self.alias = alias
-        self.version = alias._version
-        self.key = key
 
     def unpack(self) -> torch.Tensor:
         now = self.alias._version
@@ -47,12 +42,29 @@ class Small:
         return self.alias
 
     def __del__(self) -> None:
-        dead = getattr(self, "dead", None)
+        dead = getattr(self, "dead", None)  # unset: made but not counted
         if dead is not None:
             try:
                 dead.append(self.key)
             except Exception:  # pragma: no cover - interpreter shutdown
                 pass
+
+
+class _StorageRef:
+    """A weak reference to a storage (``StorageWeakRef``'s, made with one call: its ``cdata`` is
+    set by the maker)."""
+
+    __slots__ = ("cdata",)
+    _free = staticmethod(torch.UntypedStorage._free_weak_ref)
+    _expired = staticmethod(torch.UntypedStorage._expired)
+
+    def expired(self) -> bool:
+        return self._expired(self.cdata)
+
+    def __del__(self) -> None:
+        cdata = getattr(self, "cdata", None)
+        if cdata is not None:
+            self._free(cdata)
 
 
 class SmallSaves:
@@ -65,25 +77,38 @@ class SmallSaves:
         self.live_bytes = 0
         self.counters = counters
 
-    def add(self, t: torch.Tensor, storage: torch.UntypedStorage, stats_id: Any, why: str | None = None) -> Small:
+    def add(self, t: torch.Tensor, storage: torch.UntypedStorage, stats_id: Any, why: str | None = None,
+            storage_bytes: int | None = None) -> Small:
         """A save of ``t``, whose storage is small (or kept for ``why``, a counter its new storage
         adds to: Note [a save the budget keeps skips the cache]); its deaths filed so far are
-        settled first (a storage freed since may have left its address, its key, to ``t``'s)."""
+        settled first (a storage freed since may have left its address, its key, to ``t``'s).
+        ``storage_bytes``: the storage's size, where the caller has it. A step's save (``stats_id``
+        None) is counted inline: this is most saves of a GPU forward (Note [pack's common case in
+        one function] in ``hooks.py``)."""
         if self.dead:
             self.settle()
         key = storage._cdata
-        row = self.rows.get(key)
+        rows = self.rows
+        row = rows[key] if key in rows else None
         if row is not None and row[0].expired():  # an interrupt cut a death short; the storage is gone
             self._drop(key, row)
             row = None
         counters = self.counters
-        counters.add(stats_id, "saved_bytes", t.nbytes)
+        if stats_id is None:
+            counters.total.saved_bytes += t.nbytes
+        else:
+            counters.add(stats_id, "saved_bytes", t.nbytes)
         if row is None:
-            nbytes = storage.nbytes()
-            row = self.rows[key] = [StorageWeakRef(storage), nbytes, 0]
+            nbytes = storage.nbytes() if storage_bytes is None else storage_bytes
+            weak = _StorageRef()
+            weak.cdata = storage._weak_ref()
+            row = rows[key] = [weak, nbytes, 0]
             self.live_bytes += nbytes
             counters.kept_new(stats_id, nbytes, why)
-        small = Small(keep.alias(t), key)
+        small = Small()
+        alias = small.alias = t if t.is_leaf else t.detach()  # keep.alias
+        small.version = alias._version
+        small.key = key
         # Note [an interrupt never unbalances a count]: counted and armed with no call between.
         row[2] += 1
         small.dead = self.dead

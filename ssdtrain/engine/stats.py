@@ -140,7 +140,7 @@ class Counters:
 
     def add(self, scope_id: Any, field: str, amount: float) -> None:
         total = self.total
-        setattr(total, field, getattr(total, field) + amount)
+        total.__dict__[field] += amount  # OffloadStats has no slots: its fields live in __dict__
         if scope_id is not None and field in _SCOPE_SET:  # a step's saves have none: most calls end here
             self._per(scope_id)[field] += amount
 
@@ -154,11 +154,14 @@ class Counters:
     def kept_new(self, scope_id: Any, nbytes: int, why: str | None) -> None:
         """A storage held as it is, first saved now (``SmallSaves.add``): its bytes add to the
         unique, kept and resident bytes, and to ``why`` (a counter) if given: one call instead of
-        four on the path most of a GPU forward's saves take."""
+        four on the path most of a GPU forward's saves take (``resident``'s work inline: the
+        bytes only grow here)."""
         total = self.total
         total.unique_bytes += nbytes
         total.kept_bytes += nbytes
-        if why is not None:
+        if why == "budget_kept_bytes":
+            total.budget_kept_bytes += nbytes
+        elif why is not None:
             setattr(total, why, getattr(total, why) + nbytes)
         if scope_id is not None:
             per = self._per(scope_id)
@@ -166,19 +169,28 @@ class Counters:
             per["kept_bytes"] += nbytes
             if why in _SCOPE_SET:
                 per[why] += nbytes
-        self.resident(nbytes)
+        now = total.resident_bytes = total.resident_bytes + nbytes
+        if now > total.peak_resident_bytes:
+            total.peak_resident_bytes = now
+        if now > self.forward_peak:
+            self.forward_peak = now
+        if self.timeline is not None:
+            self.timeline.append((time.perf_counter(), now))
 
     def resident(self, delta: int) -> None:
         t = self.total
         # Never below zero: an interrupted state change can leave the count off until wait()
         # derives it again from the entries (Cache.recount).
-        t.resident_bytes = max(0, t.resident_bytes + delta)
-        if t.resident_bytes > t.peak_resident_bytes:
-            t.peak_resident_bytes = t.resident_bytes
-        if t.resident_bytes > self.forward_peak:
-            self.forward_peak = t.resident_bytes
+        now = t.resident_bytes + delta
+        if now < 0:
+            now = 0
+        t.resident_bytes = now
+        if now > t.peak_resident_bytes:
+            t.peak_resident_bytes = now
+        if now > self.forward_peak:
+            self.forward_peak = now
         if self.timeline is not None:
-            self.timeline.append((time.perf_counter(), t.resident_bytes))
+            self.timeline.append((time.perf_counter(), now))
 
     def reset_peak(self) -> None:
         self.total.peak_resident_bytes = self.total.resident_bytes

@@ -479,6 +479,7 @@ class WriteFailures:
         self._error: BaseException | None = None
         self._warnings: list[str] = []
         self._warned = False
+        self.pending = False  # a warning or an error waits for surface() (read by pack: no call)
 
     def failed(self, err: BaseException) -> None:
         if self._raise:
@@ -488,6 +489,7 @@ class WriteFailures:
             self._warned = True
             self._warnings.append(f"ssdtrain: a write failed ({err}); on_error='keep': tensors that cannot be "
                                   "written stay in memory (see stats().failed_writes)")
+        self.pending = True
 
     def surface(self, *, raise_errors: bool) -> None:
         """On the training thread: warns, and raises the error kept if ``raise_errors``."""
@@ -495,4 +497,6 @@ class WriteFailures:
             warnings.warn(self._warnings.pop(0), RuntimeWarning, stacklevel=4)
         if raise_errors and self._error is not None:
             err, self._error = self._error, None
+            self.pending = False
             raise err
+        self.pending = self._error is not None or bool(self._warnings)
