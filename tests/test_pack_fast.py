@@ -5,6 +5,7 @@ two must reach the same state for the same saves: the same counters, the same gr
 same kinds of handles, on every path (kept at once, small, the host tier, the drive)."""
 
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -59,11 +60,11 @@ def _handles(off, model, x):
     kinds = []
     pack = off._pack
 
-    def spy(t):
+    def spy(_self, t):
         out = pack(t)
         kinds.append(type(out).__name__ if isinstance(out, (Ref, Small)) else "tensor")
         return out
-    off._pack = spy
+    off._pack = types.MethodType(spy, off)  # bound, as keep.untraced wants once torch._dynamo is imported
     try:
         step(model, lambda: model(x), off)
     finally:
