@@ -233,9 +233,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--modes", default="identity,kept,tier,drive,save_on_cpu,torchtune")
+    ap.add_argument("--intra-op-threads", type=int, default=1,
+                    help="torch's intra-op threads while measuring (0: torch's default)")
     ap.add_argument("--json", metavar="FILE")
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
+    threads = torch.get_num_threads()
+    if a.intra_op_threads:
+        # Note [the all-threads figure counts our threads, not torch's spinning]: with torch's
+        # intra-op pool as wide as the machine, its workers spin while the offloader's I/O threads
+        # hold a core (2 cores here): the model's own ops then cost up to x2.5 their CPU time
+        # (linear 2.7 -> 7.4 ms a step, yappi, 2026-11-28), charged to "all threads" as if it were
+        # ours. One intra-op thread leaves the model's CPU time its own; --intra-op-threads 0 keeps
+        # torch's default.
+        torch.set_num_threads(a.intra_op_threads)
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=512, seq=a.seq, layers=a.layers, hidden=a.hidden, heads=a.heads)).to(dev)
     tokens = torch.randint(0, 512, (a.batch, a.seq), device=dev)
@@ -251,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                     runs[mode].append(measure(mode, model, tokens, a.steps, path))
     finally:
         offloader_mod._TIER_DEVICES = tier_devices
+        torch.set_num_threads(threads)
     rows = []
     for mode in modes:
         if "unavailable" in runs[mode][0]:

@@ -198,6 +198,12 @@ def test_choose_limit(tmp_path, monkeypatch):
     assert drive.drive_rates({"write_gbps": 1.0, "read_gbps": 2.0}, None) == (1.0, 2.0)
 
 
+def test_a_path_not_made_yet_is_on_its_parents_device(tmp_path):
+    """``--path`` the Offloader would make: the cgroup looks at the device it will be made on
+    (it raised FileNotFoundError before the run began, 2026-11-28)."""
+    assert drive.blkio_device(str(tmp_path / "not" / "yet")) == drive.blkio_device(str(tmp_path))
+
+
 def _cgroup_or_skip(path):
     limit = drive.choose_limit([str(path)], 0.05, "auto")
     if limit.method != "cgroup":

@@ -91,7 +91,11 @@ class DriveLimit:
 
 def blkio_device(path: str) -> str | None:
     """``major:minor`` of the whole block device holding ``path``; None when it is on none
-    (tmpfs, overlay, a network filesystem)."""
+    (tmpfs, overlay, a network filesystem). A ``path`` not made yet (the Offloader makes it) is
+    on the device of its nearest existing parent."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
     dev = os.stat(path).st_dev
     node = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"
     if os.major(dev) == 0 or not os.path.exists(node):
