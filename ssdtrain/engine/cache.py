@@ -20,9 +20,8 @@ from collections import deque
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
-from ssdtrain.engine.small import Small, SmallSaves
+from ssdtrain.engine.small import Small, SmallSaves, StorageRef
 from ssdtrain.engine.views import SPAN_ALIGN, byte_span, byte_view, entry_span, modified, rebuild  # noqa: F401
 
 __all__ = ["State", "Entry", "Ref", "Parts", "Small", "SmallSaves", "StorageIndex", "Cache", "byte_span", "entry_span",
@@ -49,14 +48,17 @@ class Entry:
         "scope_dropped", "packed_at", "op", "stream", "pos", "__weakref__",
     )
 
-    def __init__(self, id_: int, t: torch.Tensor, lo: int, hi: int, scope: Any, layer: int | None) -> None:
-        storage = t.untyped_storage()
+    def __init__(self, id_: int, t: torch.Tensor, lo: int, hi: int, scope: Any, layer: int | None,
+                 storage: torch.UntypedStorage | None = None) -> None:
+        if storage is None:
+            storage = t.untyped_storage()
         self.id = id_
         self.key = storage._cdata
         self.version = t._version
         # Note [a storage is not its address]: the weak reference tells a live storage from a new
         # one that the allocator placed at the same address after the old one was freed.
-        self.storage_ref = StorageWeakRef(storage)
+        self.storage_ref = weak = StorageRef()
+        weak.cdata = storage._weak_ref()
         self.lo = lo
         self.nbytes = hi - lo
         self.device = t.device
@@ -129,13 +131,16 @@ class Ref:
 
     __slots__ = ("entry", "dtype", "size", "stride", "offset", "conj", "neg", "gen", "graveyard", "weak", "__weakref__")
 
-    def __init__(self, entry: Entry, t: torch.Tensor, graveyard) -> None:
+    def __init__(self, entry: Entry, t: torch.Tensor, graveyard, byte_offset: int | None = None) -> None:
+        """``byte_offset``: ``t``'s first byte in its storage, where the caller has it."""
         self.graveyard = None  # not counted yet: a Ref that dies before the count files nothing
         self.entry = entry
         self.dtype = t.dtype
-        self.size = tuple(t.shape)
+        self.size = t.shape  # a torch.Size: a tuple already
         self.stride = t.stride()
-        self.offset = t.storage_offset() * t.element_size() - entry.lo
+        if byte_offset is None:
+            byte_offset = t.storage_offset() * t.itemsize
+        self.offset = byte_offset - entry.lo
         # Note [lazy bits travel with the save]: a conjugate or negative view (``z.conj()``,
         # ``x.mH``, ``torch._neg_view``) shares its storage's bytes unchanged and carries the
         # operation as a bit; a tensor rebuilt on the bytes alone would lose it.
@@ -266,9 +271,11 @@ class Cache:
         self.small = SmallSaves(counters)  # Note [a small save skips the cache]
         self.lagging: deque[Entry] = deque()  # written, held back by settle_written's ``due``
 
-    def new(self, id_: int, t: torch.Tensor, lo: int, hi: int, scope: Any, layer: int | None) -> Entry:
-        """A new entry for ``t``'s bytes ``[lo, hi)``, KEPT (in memory) until it is queued."""
-        e = Entry(id_, t, lo, hi, scope, layer)
+    def new(self, id_: int, t: torch.Tensor, lo: int, hi: int, scope: Any, layer: int | None,
+            storage: torch.UntypedStorage | None = None) -> Entry:
+        """A new entry for ``t``'s bytes ``[lo, hi)`` (of ``storage``, its storage, where the caller
+        has it), KEPT (in memory) until it is queued."""
+        e = Entry(id_, t, lo, hi, scope, layer, storage)
         self.index.add(e)
         self.entries[e.id] = e
         self.counters.add(scope.stats_id, "unique_bytes", e.nbytes)

@@ -171,8 +171,8 @@ class SaveHooks:
                     if fresh:
                         self._check_open()  # the fork check: an entry's bytes go to the backend
                         layer = self._layer_stack[-1] if self._layer_stack else None
-                        entry = self._new_entry(t, lo, hi, scope, layer, op)
-                    out = Ref(entry, t, self._graveyard)
+                        entry = self._new_entry(t, lo, hi, scope, layer, op, storage)
+                    out = Ref(entry, t, self._graveyard, view_lo)
                 except BaseException:
                     if fresh and entry is not None and entry.refs == 0:  # interrupted: nothing holds it
                         self._drop_ref(entry, -1, None)
@@ -190,10 +190,11 @@ class SaveHooks:
         others = {n: p for n, p in parts.items() if n not in packed}
         return Parts(t, ctx, packed, others, keep.version_guard(t, packed))
 
-    def _new_entry(self, t: torch.Tensor, lo: int, hi: int, scope: Scope, layer: int | None, op: Any) -> Entry:
+    def _new_entry(self, t: torch.Tensor, lo: int, hi: int, scope: Scope, layer: int | None, op: Any,
+                   storage: Any = None) -> Entry:
         """Under the lock: a new entry, kept or queued for writing (Note [write only what comes
         back in time] for the budget, Note [write what leaves before the peak] for the time)."""
-        e = self._cache.new(next(self._ids), t, lo, hi, scope, layer)
+        e = self._cache.new(next(self._ids), t, lo, hi, scope, layer, storage)
         scope.live_entries += 1
         n = e.nbytes
         cuda = device.is_cuda(t)  # the modelled GPU's tensors too (Note [an offloader made under the modelled GPU])
@@ -333,18 +334,23 @@ class SaveHooks:
 
     # -- unpack -------------------------------------------------------------------------------------
     def _unpack(self, ref: Any) -> torch.Tensor:
-        if isinstance(ref, torch.Tensor):
-            return ref
-        if type(ref) is Small:
+        kind = type(ref)
+        if kind is Small:
             if self._reads_pending and (self._cache.small.dead or self._graveyard):
                 self._read_on()
             return ref.unpack()
-        if type(ref) is Parts:
-            return ref.rebuild(self._unpack)
-        self._safe_point(raise_errors=False)
-        if self._tier is not None:
-            self._see_peak()
-        if torch.autograd.profiler._is_profiler_enabled:  # Note [pack is the training thread's time]
+        if kind is not Ref:
+            if kind is Parts:
+                return ref.rebuild(self._unpack)
+            return ref  # a tensor kept as it is (keep.alias)
+        cache = self._cache
+        if (self._graveyard or self._writer.completed or cache.late or cache.small.dead or cache.lagging
+                or self._failures.pending):
+            self._safe_point(raise_errors=False)  # its conditions, asked here without its call
+        tier = self._tier
+        if tier is not None and tier.clock.reference is None and self._fwd_dev is not None:
+            self._see_peak()  # its own early return, asked here
+        if _profiler._is_profiler_enabled:  # Note [pack's common case in one function]
             with profiled("ssdtrain.unpack"):
                 return self._unpack_entry(ref)
         return self._unpack_entry(ref)
@@ -366,7 +372,9 @@ class SaveHooks:
                 scope.passes += 1
                 scope.restart()
             self._reader.prefetch(scope, e.layer)
-            scope.used(e)
+            if e.counted_ahead:  # Scope.used, inline
+                e.counted_ahead = False
+                scope.ahead -= e.nbytes
             if e.data is not None:
                 if e.state is State.QUEUED:
                     self._writer.cancel(e)
@@ -377,6 +385,11 @@ class SaveHooks:
                 # frames in it (holding saved references) must not live on in the entry.
                 raise copy.copy(e.error).with_traceback(None)
             fut, buf = self._reader.claim(e)
+            if fut is None:  # read ahead and landed: Reader.finish's work under this same lock
+                out, ext, back = self._reader.finished(e, ref, buf)
+        if fut is None:
+            self._reader.order_after(ext, back)
+            return device.for_consumer(out)
         return device.for_consumer(self._reader.finish(e, ref, fut, buf))
 
     # Note [reads go on while kept saves are used]

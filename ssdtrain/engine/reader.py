@@ -103,17 +103,27 @@ class Reader:
         with self._lock:
             if fut is not None:
                 self._cache.read_done(e, fut, buf)
-            if ref.gen != e.gen:
-                ref.gen = e.gen
-                e.unpacked_refs += 1
-            out = rebuild(buf, ref)
-            ext = e.extent
-            back = getattr(ext, "back", None)  # the host tier's copy back, queued on a side stream
-            self._cache.unload(e)
+            out, ext, back = self.finished(e, ref, buf)
+        self.order_after(ext, back)
+        return out
+
+    def finished(self, e: Entry, ref: Ref, buf: torch.Tensor) -> tuple[torch.Tensor, Any, Any]:
+        """Under the lock: ``e``'s read into ``buf`` has landed; the saved tensor, ``e``'s extent,
+        and the host tier's copy back (or None) that :meth:`order_after` orders the consumer after."""
+        if ref.gen != e.gen:
+            ref.gen = e.gen
+            e.unpacked_refs += 1
+        out = rebuild(buf, ref)
+        ext = e.extent
+        back = getattr(ext, "back", None)  # the host tier's copy back, queued on a side stream
+        self._cache.unload(e)
+        return out, ext, back
+
+    def order_after(self, ext: Any, back: Any) -> None:
+        """Lock NOT held: the consumer's stream waits for ``ext``'s copy back ``back`` (if any)."""
         if back is not None:
             self._ordered(back, device.current_stream(back.device))
             ext.ordered = True  # Note [a pool extent outlives its copy back]
-        return out
 
     def wait(self, e: Entry, fut: Any) -> None:
         """Waits for ``e``'s read; a wait feeds the window and the write budget.

@@ -12,7 +12,7 @@ import torch
 from ssdtrain.engine import keep
 from ssdtrain.engine.views import modified
 
-__all__ = ["Small", "SmallSaves"]
+__all__ = ["Small", "SmallSaves", "StorageRef"]
 
 
 # Note [a small save skips the cache]
@@ -50,9 +50,9 @@ class Small:
                 pass
 
 
-class _StorageRef:
+class StorageRef:
     """A weak reference to a storage (``StorageWeakRef``'s, made with one call: its ``cdata`` is
-    set by the maker)."""
+    set by the maker, ``storage._weak_ref()``)."""
 
     __slots__ = ("cdata",)
     _free = staticmethod(torch.UntypedStorage._free_weak_ref)
@@ -100,7 +100,7 @@ class SmallSaves:
             counters.add(stats_id, "saved_bytes", t.nbytes)
         if row is None:
             nbytes = storage.nbytes() if storage_bytes is None else storage_bytes
-            weak = _StorageRef()
+            weak = StorageRef()
             weak.cdata = storage._weak_ref()
             row = rows[key] = [weak, nbytes, 0]
             self.live_bytes += nbytes
