@@ -252,7 +252,8 @@ class WriteQueue:
                     # Note [an interrupt never unbalances a count]: in this order, whatever step
                     # an interrupt stops at, _interrupted finds ``e`` and undoes it.
                     e = self._queue[0]
-                    drive = e.state is State.QUEUED and on_drive(e.extent)
+                    # on_drive, inline (a call a save): a host extent's path_index is -1
+                    drive = e.state is State.QUEUED and getattr(e.extent, "path_index", 0) >= 0
                     if drive and self._drive_writing >= cap:
                         break
                     if drive and self._late(e):
@@ -343,7 +344,7 @@ class WriteQueue:
         except IndexError:  # empty (or emptied meanwhile by a completion's pump)
             return False
         queue = self._queue
-        if self._many is None or on_drive(head.extent):
+        if self._many is None or getattr(head.extent, "path_index", 0) >= 0:  # on_drive, inline
             return True  # a drive's write first: at once, as ever
         return not self._batches and (len(queue) >= HAND_OVER_SAVES or self.queued_bytes >= HAND_OVER_BYTES
                                       or self._wall() - head.packed_at >= HAND_OVER_SECONDS)

@@ -127,8 +127,9 @@ class HostPool:
             for i, (mem, alloc) in enumerate(self._slabs):
                 off, length = alloc.allocate(nbytes)
                 if off + length <= mem.numel():
-                    self.used += length
-                    self.peak = max(self.peak, self.used)
+                    used = self.used = self.used + length
+                    if used > self.peak:
+                        self.peak = used
                     ext = HostExtent(i, off, length, nbytes)
                     break
                 alloc.free(off, length, trimmed=True)

@@ -95,7 +95,8 @@ class TieredBackend(Backend):
     def allocate_host(self, nbytes: int, dev: torch.device) -> HostExtent | None:
         """A host extent for a save of ``nbytes`` on ``dev``, or ``None`` (the pool is full, or
         still being pinned): then the drives take it."""
-        self._check_process()
+        if self._forked:  # Backend._check_process, without its call (a call a save)
+            self._check_process()
         if self.pool is None:
             self._start(dev)
         ext = self.pool.allocate(nbytes)

@@ -96,7 +96,7 @@ class ExtentAllocator:
             ``(offset, length)``: ``length`` is ``nbytes`` rounded up to the alignment and
             ``offset`` is aligned.
         """
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        if type(nbytes) is not int or nbytes < 0:  # not a bool either (type, not isinstance: no call)
             raise ValueError(f"nbytes={nbytes!r} must be an integer >= 0")
         if nbytes == 0:
             return (0, 0)
