@@ -385,6 +385,8 @@ class SaveHooks:
                 # frames in it (holding saved references) must not live on in the entry.
                 raise copy.copy(e.error).with_traceback(None)
             fut, buf = self._reader.claim(e)
+            if fut is not None and fut.done() and fut.exception() is None:
+                fut = self._reader.landed(e, fut, buf)  # None: Reader.wait's and finish's work done here
             if fut is None:  # read ahead and landed: Reader.finish's work under this same lock
                 out, ext, back = self._reader.finished(e, ref, buf)
         if fut is None:

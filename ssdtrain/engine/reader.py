@@ -107,6 +107,15 @@ class Reader:
         self.order_after(ext, back)
         return out
 
+    def landed(self, e: Entry, fut: Any, buf: torch.Tensor) -> None:
+        """Under the lock: ``e``'s read ``fut`` (into ``buf``) is done without error, found so at
+        unpack: what :meth:`wait` and :meth:`finish` would count and record, without taking the
+        lock again (a read ahead of a tier copy is mostly such). Returns None (no future to wait)."""
+        stats_id = e.scope.stats_id
+        self._counters.add(stats_id, "prefetch_hits", 1)
+        self._counters.add(stats_id, "read_bytes", e.nbytes)
+        self._cache.read_done(e, fut, buf)
+
     def finished(self, e: Entry, ref: Ref, buf: torch.Tensor) -> tuple[torch.Tensor, Any, Any]:
         """Under the lock: ``e``'s read into ``buf`` has landed; the saved tensor, ``e``'s extent,
         and the host tier's copy back (or None) that :meth:`order_after` orders the consumer after."""
