@@ -252,8 +252,7 @@ class WriteQueue:
                     # Note [an interrupt never unbalances a count]: in this order, whatever step
                     # an interrupt stops at, _interrupted finds ``e`` and undoes it.
                     e = self._queue[0]
-                    # on_drive, inline (a call a save): a host extent's path_index is -1
-                    drive = e.state is State.QUEUED and getattr(e.extent, "path_index", 0) >= 0
+                    drive = e.state is State.QUEUED and getattr(e.extent, "path_index", 0) >= 0  # on_drive
                     if drive and self._drive_writing >= cap:
                         break
                     if drive and self._late(e):
@@ -343,10 +342,9 @@ class WriteQueue:
             head = self._queue[0]
         except IndexError:  # empty (or emptied meanwhile by a completion's pump)
             return False
-        queue = self._queue
         if self._many is None or getattr(head.extent, "path_index", 0) >= 0:  # on_drive, inline
             return True  # a drive's write first: at once, as ever
-        return not self._batches and (len(queue) >= HAND_OVER_SAVES or self.queued_bytes >= HAND_OVER_BYTES
+        return not self._batches and (len(self._queue) >= HAND_OVER_SAVES or self.queued_bytes >= HAND_OVER_BYTES
                                       or self._wall() - head.packed_at >= HAND_OVER_SECONDS)
 
     # The queue of a batched backend is emptied by pack once a batch's worth waits; by every
@@ -479,8 +477,7 @@ class WriteFailures:
         self._raise = on_error == "raise"
         self._error: BaseException | None = None
         self._warnings: list[str] = []
-        self._warned = False
-        self.pending = False  # a warning or an error waits for surface() (read by pack: no call)
+        self._warned = self.pending = False  # pending: a warning or an error waits for surface() (pack reads it)
 
     def failed(self, err: BaseException) -> None:
         if self._raise:
@@ -497,7 +494,6 @@ class WriteFailures:
         while self._warnings:
             warnings.warn(self._warnings.pop(0), RuntimeWarning, stacklevel=4)
         if raise_errors and self._error is not None:
-            err, self._error = self._error, None
-            self.pending = False
+            err, self._error, self.pending = self._error, None, bool(self._warnings)
             raise err
         self.pending = self._error is not None or bool(self._warnings)
