@@ -143,14 +143,13 @@ def measure(mode: str, model, tokens, steps: int, path: str) -> dict:
         def ctx():
             return torch.autograd.graph.saved_tensors_hooks(hooks._pack, hooks._unpack)
     elif mode in PEERS:
-        first, hooks, note = _peer_hooks(mode, dev)
+        first, _, note = _peer_hooks(mode, dev)
         if first is None:
             return {"mode": mode, "unavailable": note}
         backward = not (mode == "torchtune" and dev.type != "cuda")
 
-        def ctx():
-            c, h, _ = (first, hooks, None) if not spent.get("made") else _peer_hooks(mode, dev)
-            spent["made"] = 1
+        def ctx():  # a fresh instance a step (torchtune's pack-only steps leave it tracking saves)
+            c, h, _ = _peer_hooks(mode, dev)
             _timed(h, spent, prof)
             c.pack_hook, c.unpack_hook = h._pack, h._unpack
             return c
@@ -169,8 +168,7 @@ def measure(mode: str, model, tokens, steps: int, path: str) -> dict:
     for i in range(steps + 4):
         if i == 3:
             for k in spent:
-                if k != "made":
-                    spent[k] = 0
+                spent[k] = 0
         spent["profile"] = i == steps + 3
         model.zero_grad(set_to_none=True)
         t, p = time.thread_time(), time.process_time()

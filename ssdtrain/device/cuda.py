@@ -322,7 +322,7 @@ def for_consumer(t: torch.Tensor) -> torch.Tensor:
 # saved during capture. The check must not initialise CUDA for a CPU-only run.
 def capturing() -> bool:
     """Whether the current CUDA stream is being captured into a CUDA graph (never initialises CUDA)."""
-    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+    return torch.cuda.is_initialized() and capturing_now()
 
 
 def capturing_now() -> bool:

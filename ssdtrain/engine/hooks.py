@@ -20,7 +20,7 @@ from ssdtrain.device import cuda as device
 from ssdtrain.device import measure
 from ssdtrain.engine import keep
 from ssdtrain.engine.cache import Entry, Parts, Ref, Small, State, rebuild
-from ssdtrain.engine.views import SPAN_ALIGN
+from ssdtrain.engine.views import SPAN_ALIGN, byte_span
 from ssdtrain.engine.peak import possible_bytes
 from ssdtrain.engine.schedule import Scope
 from ssdtrain.store import StorageError
@@ -52,7 +52,7 @@ class SaveHooks:
     # Every call below is paid once per save, on the thread that launches the model's kernels
     # (about 325 saves a step at the bench's GPU shape; 37 us a save doubled an H200's host
     # forward, 2026-11-27), and on the CPU the same Python costs the same: so pack makes as few
-    # calls as it can (``benchmarks/pack_cost.py`` counts them, tests/test_pack_cost.py holds the
+    # calls as it can (``benchmarks/pack_cost.py`` counts them, tests/test_pack_calls.py holds the
     # count). A plain strided CPU or CUDA tensor outside a kept module, on an open offloader, is
     # screened here by properties (no call): a parameter or a view of one, a weight cast, a
     # storage of the model's, a small storage (Note [a small save skips the cache]) and a save
@@ -60,7 +60,7 @@ class SaveHooks:
     # this function; everything else (subclasses, meta, quantized, empty, zero tensors, CUDA
     # graph capture, a kept module, a closed offloader, a profiler) takes the general path,
     # ``_pack_general``, which asks ``keep.as_is`` every question. Both reach the same state for
-    # the same save (tests/test_pack_cost.py compares them). An inference tensor never reaches
+    # the same save (tests/test_pack_fast.py compares them). An inference tensor never reaches
     # a pack hook: autograd refuses to save one before it calls hooks (the same test holds it).
     def _pack(self, t: torch.Tensor) -> Any:
         if type(t) is _Parameter:
@@ -115,11 +115,8 @@ class SaveHooks:
         small = self._cache.small
         if storage_bytes < self._small_bytes:  # Note [a small save skips the cache]
             with self._lock:
-                peak = self._peak
-                if peak.active:  # PeakClock.produced, inline
-                    peak.pos += nbytes
-                    peak._positions.append(peak.pos)
-                    peak._times.append(_now() - peak.start)
+                if self._peak.active:
+                    self._peak.produced(nbytes, _now())
                 if tier:  # Note [the copy clock counts every save]
                     self._tier.clock.produced(0 if key in small.rows else nbytes)
                 return small.add(t, storage, scope.stats_id, None, storage_bytes)
@@ -128,19 +125,13 @@ class SaveHooks:
                 or self._failures.pending):
             self._safe_point(raise_errors=True)  # its conditions, asked here without its call
         op = _op_now()  # Note [a save is copied only after its op returned]
-        itemsize = t.itemsize
-        contiguous = t.is_contiguous()
-        if contiguous and nbytes == storage_bytes:  # all of its storage: at offset 0
+        if not t.is_contiguous():
+            view_lo, view_hi = byte_span(t)
+        elif nbytes == storage_bytes:  # contiguous over all of its storage: at offset 0
             view_lo, view_hi = 0, nbytes
-        elif contiguous:  # views.byte_span, inline
-            view_lo = t.storage_offset() * itemsize
+        else:  # views.byte_span's contiguous case, without its call
+            view_lo = t.storage_offset() * t.itemsize
             view_hi = view_lo + nbytes
-        else:
-            view_lo = t.storage_offset() * itemsize
-            reach = 0
-            for n, step in zip(t.shape, t.stride()):
-                reach += (n - 1) * step
-            view_hi = view_lo + (reach + 1) * itemsize
         if 2 * (view_hi - view_lo) >= storage_bytes:  # views.entry_span, inline
             lo, hi = 0, storage_bytes
         else:
@@ -148,11 +139,8 @@ class SaveHooks:
         writer = self._writer
         out = None
         with self._lock:
-            peak = self._peak
-            if peak.active:  # PeakClock.produced, inline
-                peak.pos += nbytes
-                peak._positions.append(peak.pos)
-                peak._times.append(_now() - peak.start)
+            if self._peak.active:
+                self._peak.produced(nbytes, _now())
             entry = self._cache.index.find(t, view_lo, view_hi) if key in self._cache.index.keys else None
             if entry is None:  # Note [a save the budget keeps skips the cache]
                 why = self._kept_at_once(t, hi - lo)
@@ -246,6 +234,9 @@ class SaveHooks:
 
     # -- safe points -----------------------------------------------------------------------------
     def _safe_point(self, *, raise_errors: bool) -> None:
+        # Pack and unpack ask these conditions (less _lagging_may_go) before calling here, to
+        # spare the call (Note [pack's common case in one function]): a condition added here is
+        # added there too (``failures.pending`` stands for what surface() has to do).
         if (self._graveyard or self._writer.completed or self._cache.late or self._cache.small.dead
                 or (self._cache.lagging and self._lagging_may_go())):
             self._drain()
@@ -347,9 +338,8 @@ class SaveHooks:
         if (self._graveyard or self._writer.completed or cache.late or cache.small.dead or cache.lagging
                 or self._failures.pending):
             self._safe_point(raise_errors=False)  # its conditions, asked here without its call
-        tier = self._tier
-        if tier is not None and tier.clock.reference is None and self._fwd_dev is not None:
-            self._see_peak()  # its own early return, asked here
+        if self._tier is not None:
+            self._see_peak()
         if _profiler._is_profiler_enabled:  # Note [pack's common case in one function]
             with profiled("ssdtrain.unpack"):
                 return self._unpack_entry(ref)
@@ -372,9 +362,7 @@ class SaveHooks:
                 scope.passes += 1
                 scope.restart()
             self._reader.prefetch(scope, e.layer)
-            if e.counted_ahead:  # Scope.used, inline
-                e.counted_ahead = False
-                scope.ahead -= e.nbytes
+            scope.used(e)
             if e.data is not None:
                 if e.state is State.QUEUED:
                     self._writer.cancel(e)
@@ -386,7 +374,8 @@ class SaveHooks:
                 raise copy.copy(e.error).with_traceback(None)
             fut, buf = self._reader.claim(e)
             if fut is not None and fut.done() and fut.exception() is None:
-                fut = self._reader.landed(e, fut, buf)  # None: Reader.wait's and finish's work done here
+                self._reader.landed(e, fut, buf)  # Reader.wait's and finish's counting, done here
+                fut = None
             if fut is None:  # read ahead and landed: Reader.finish's work under this same lock
                 out, ext, back = self._reader.finished(e, ref, buf)
         if fut is None:

@@ -45,7 +45,7 @@ _TIER_DEVICES = ("cuda",)  # device types whose saves use the host tier (tests a
 # Inside ``ssdtrain.device.model.modelled(gpu)`` the model's device tensors are CPU tensors that
 # the seam calls CUDA (Note [the seam answers for the modelled GPU] in ``device/cuda.py``). Pack
 # asks ``t.is_cuda or self._tier_cpu`` for every save, and must not pay a call into the seam for
-# it (Note [pack is the training thread's time]): so an Offloader made under the model has
+# it (Note [pack's common case in one function] in ``hooks.py``): so an Offloader made under the model has
 # ``_tier_cpu`` set, as the tests' way through the tier has, and its saves use the host tier; the
 # seam then tells the model's device tensors (copied by the model) from host ones (memmove). Make
 # the Offloader inside the block and use it there.

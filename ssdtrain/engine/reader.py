@@ -110,7 +110,7 @@ class Reader:
     def landed(self, e: Entry, fut: Any, buf: torch.Tensor) -> None:
         """Under the lock: ``e``'s read ``fut`` (into ``buf``) is done without error, found so at
         unpack: what :meth:`wait` and :meth:`finish` would count and record, without taking the
-        lock again (a read ahead of a tier copy is mostly such). Returns None (no future to wait)."""
+        lock again (a read ahead of a tier copy is mostly such)."""
         stats_id = e.scope.stats_id
         self._counters.add(stats_id, "prefetch_hits", 1)
         self._counters.add(stats_id, "read_bytes", e.nbytes)

@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 
-from ssdtrain.engine import keep
 from ssdtrain.engine.views import modified
 
 __all__ = ["Small", "SmallSaves", "StorageRef"]

@@ -22,7 +22,9 @@ def byte_span(t: torch.Tensor) -> tuple[int, int]:
     lo = t.storage_offset() * size
     if t.is_contiguous():  # the common case, in one call: its reach is its elements
         return lo, lo + t.nbytes
-    reach = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    reach = 0
+    for n, step in zip(t.shape, t.stride()):  # a loop, not sum() of a generator: fewer calls (pack)
+        reach += (n - 1) * step
     return lo, lo + (reach + 1) * size
 
 
