@@ -311,9 +311,44 @@ def test_llama_8b_lora_one_gpu_128_gib_host_whole_layer_tiled():
 def test_old_modes_unchanged_by_the_layer_tiled_ones():
     """The README's example (8 GPUs, 1 TiB of host memory a node): the numbers it printed before."""
     rows = LC.long_context(_llama(gpus=8, global_batch=8, node_host_gib=1024.0))["modes"]
-    seq = {m: r["max_seq"] for m, r in rows.items()}
+    seq = {m: r["max_seq"] for m, r in rows.items() if not m.endswith("+tiled-heads")}
     assert seq == {"baseline": 10496, "recompute": 114432, "recompute+tiled": 178688, "recompute+tiled-layer": 183296,
                    "recompute+offload": 215552, "recompute+offload+tiled": 666112,
                    "recompute+offload+tiled-layer": 731648}
     assert rows["recompute+offload+tiled"]["step_s"] == pytest.approx(1281.9, abs=0.05)
     assert rows["recompute+offload+tiled"]["nvme_bytes"] / GIB == pytest.approx(34.6, abs=0.05)
+
+
+def test_llama_8b_lora_one_gpu_past_a_million_tokens_a_head_group_at_a_time():
+    """Issue 65's must-show: with attention a group of query heads at a time (the layer tiled whole),
+    Llama-3.1-8B LoRA on one 80 GB GPU with a 128 GiB host share trains more than 1,048,576 tokens
+    in 16 groups (two query heads each); with the default, one group per key/value head (8), just
+    under. The recomputed block's peak is attention's backward: x, y, three gradients and one
+    group's q/k/v with theirs; the rest of the block inputs go to NVMe at under 0.2 GB/s."""
+    base = _llama(host_gib=128.0)
+    default = LC.long_context(base)["modes"]["recompute+offload+tiled-heads"]
+    assert base.head_groups == 8 and default["max_seq"] == 1_008_640
+    inp = _llama(host_gib=128.0, head_groups=16)
+    rows = LC.long_context(inp)["modes"]
+    row = rows["recompute+offload+tiled-heads"]
+    assert row["max_seq"] == 1_093_376 > 1 << 20 > rows["recompute+offload+tiled-layer"]["max_seq"]
+    assert row["host_alone_seq"] == 524_288 and row["nvme_bytes"] == 256 * KIB * row["max_seq"] - 128 * GIB
+    assert row["drive_keeps_up"] and row["drive_gbps_free"] < 0.2
+    m = LY.layer_heads_moments(_llama(host_gib=128.0, head_groups=16, seq=1 << 20))
+    s, h = 1 << 20, 4096
+    assert max(m, key=m.get) == "attention"
+    assert m["attention"] == s * (5 * 2 * h + 4 * 32) + s * (2 * (7 * 256 + 4 * 128) + 4 * 256) + 4096 * 2 * 2 * (
+        h + 256 + 2 * 128)
+    # the time: the position-wise parts, q/k/v and attention's forward once more than the layer tiled
+    t_layer = LC.step_seconds(inp, "recompute+offload+tiled-layer", 1 << 20)
+    t_heads = LC.step_seconds(inp, "recompute+offload+tiled-heads", 1 << 20)
+    extra = 32 * (LY.qkv_forward_flops(inp, 1 << 20) + LY.attention_forward_flops(inp, 1 << 20)
+                  + 3 * 1 * 4.0 * (1 << 20) * 4096 * 1024) / (inp.tflops * 1e12)
+    assert t_heads["step_s"] - t_layer["step_s"] == pytest.approx(extra, rel=1e-9)
+
+
+def test_head_groups_refused_where_they_do_not_divide():
+    with pytest.raises(ValueError, match="--head-groups \\(12\\) must divide --heads"):
+        _llama(head_groups=12)
+    with pytest.raises(ValueError, match="multiple of the key/value heads"):
+        _llama(head_groups=4)

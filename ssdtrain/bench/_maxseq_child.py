@@ -37,8 +37,8 @@ def _child(spec: dict) -> dict:
             total = torch.cuda.get_device_properties(dev).total_memory
             torch.cuda.set_per_process_memory_fraction(spec["budget"] / total, dev)
         model = make_model(cfg).to(dtype).to(dev)
-        if tiled == "layer":
-            tile_layers(model, spec.get("tile_tokens"))
+        if tiled in ("layer", "heads"):
+            tile_layers(model, spec.get("tile_tokens"), cfg.heads if tiled == "heads" else None)
         elif tiled:
             tile_mlps(model, spec.get("tile_tokens"))
         mode = Mode(name, model, offloader_factory(spec.get("path"), None))
@@ -209,12 +209,15 @@ def _blocks_child(spec: dict) -> dict:
     out = {"seq": s, "input_bytes": x.numel() * x.element_size()}
     sampler = RssSampler()
     try:
-        keys = ("block_bytes", "block_tiled_bytes") + (("block_layer_bytes",) if spec.get("layer") else ())
+        keys = (("block_bytes", "block_tiled_bytes") + (("block_layer_bytes",) if spec.get("layer") else ())
+                + (("block_heads_bytes",) if spec.get("heads") else ()))
         for key in keys:
             if key == "block_tiled_bytes":
                 tile_mlps(model, spec.get("tile_tokens"))
             elif key == "block_layer_bytes":
                 tile_layers(model, spec.get("tile_tokens"))  # the block's own forward, tiled whole
+            elif key == "block_heads_bytes":
+                tile_layers(model, spec.get("tile_tokens"), cfg.heads)  # and a head at a time
             peaks = []
             for rep in range(spec.get("reps", 3) + 1):
                 block.zero_grad(set_to_none=True)

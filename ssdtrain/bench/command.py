@@ -93,7 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     long.add_argument("--tile-tokens", type=int,
                       help="the +tiled modes (any mode name with +tiled appended: every block's MLP computed along "
                       "the sequence a tile at a time, ssdtrain.longctx.tiled; +tiled-layer, --model llama: the whole "
-                      "block but attention, ssdtrain.longctx.tiled_layer): positions a tile (default: the hidden "
+                      "block but attention, ssdtrain.longctx.tiled_layer; +tiled-heads: that, and attention a query head at a time, "
+                      "ssdtrain.longctx.head_groups): positions a tile (default: the hidden "
                       "size, DeepSpeed ALST's)")
     long.add_argument("--pairs", type=int, default=2,
                       help="alternated rounds of recompute and each other recompute mode at recompute's longest "
@@ -160,9 +161,10 @@ def _max_seq(ns: argparse.Namespace) -> int:
     bad = [m for m in modes if base_mode(m)[0] not in MODES or base_mode(m)[0] == "save_on_cpu" and base_mode(m)[1]]
     if bad or not modes:
         raise ValueError(f"--modes: unknown {', '.join(bad) or '(empty)'}; choose from {', '.join(MODES)}, "
-                         "each but save_on_cpu also with +tiled (and, with --model llama, +tiled-layer)")
-    if not llama and any(base_mode(m)[1] == "layer" for m in modes):
-        raise ValueError("--modes: +tiled-layer tiles Llama blocks: give --model llama (a GPT's MLP tiles with +tiled)")
+                         "each but save_on_cpu also with +tiled (and, with --model llama, +tiled-layer or +tiled-heads)")
+    if not llama and any(base_mode(m)[1] in ("layer", "heads") for m in modes):
+        raise ValueError("--modes: +tiled-layer and +tiled-heads tile Llama blocks: give --model llama (a GPT's MLP "
+                         "tiles with +tiled)")
     if ns.tile_tokens is not None and ns.tile_tokens < 1:
         raise ValueError(f"--tile-tokens must be a positive int, got {ns.tile_tokens}")
     if ns.kv_heads is not None and not llama:

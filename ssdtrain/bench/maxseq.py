@@ -50,6 +50,9 @@ TILED = "+tiled"
 TILED_LAYER = "+tiled-layer"
 """A mode name's suffix: the bench mode before it, every block tiled whole along the sequence,
 attention over the whole of it (:func:`ssdtrain.bench.models.tile_layers`; Llama-shaped only)."""
+TILED_HEADS = "+tiled-heads"
+"""A mode name's suffix: as :data:`TILED_LAYER`, and attention one query head at a time (its q, k,
+v, output and their gradients one head's at a time: :mod:`ssdtrain.longctx.head_groups`)."""
 MMAP_THRESHOLD = 64 << 10
 # Note [a probe's allocator does not fragment]: on a GPU a probe's child runs with expandable
 # segments (unless PYTORCH_CUDA_ALLOC_CONF says otherwise), so that its out-of-memory comes at the
@@ -85,7 +88,10 @@ def gpu_model(arch: str = "gpt"):
 def base_mode(mode: str) -> tuple[str, str | None]:
     """``(bench mode, what is tiled)`` of a max-seq mode name: ``recompute+offload+tiled`` is
     ``("recompute+offload", "mlp")``, ``recompute+offload+tiled-layer``
-    ``("recompute+offload", "layer")``, ``recompute`` ``("recompute", None)``."""
+    ``("recompute+offload", "layer")``, ``...+tiled-heads`` ``(..., "heads")``, ``recompute``
+    ``("recompute", None)``."""
+    if mode.endswith(TILED_HEADS):
+        return mode[:-len(TILED_HEADS)], "heads"
     if mode.endswith(TILED_LAYER):
         return mode[:-len(TILED_LAYER)], "layer"
     return (mode[:-len(TILED)], "mlp") if mode.endswith(TILED) else (mode, None)
@@ -150,9 +156,10 @@ def measure_blocks(args: MaxSeqArgs, seq: int, reps: int = 3) -> dict:
     ``(L x input + block) / block_tiled`` (checkpointing holds every block's input and one
     recomputed block; with the inputs offloaded and the MLP tiled, one tiled block)."""
     layer = any(base_mode(m)[1] == "layer" for m in args.modes)
+    heads = any(base_mode(m)[1] == "heads" for m in args.modes)
     spec = {"kind": "blocks", "model": dataclasses.asdict(args.model.replace(seq=seq)), "arch": arch_of(args.model),
             "device": args.device, "dtype": args.dtype, "batch": args.batch, "tile_tokens": args.tile_tokens,
-            "reps": reps, "layer": layer}
+            "reps": reps, "layer": layer, "heads": heads}
     r = probe_in_child(spec)
     if "block_bytes" not in r:
         return {"seq": seq, "error": r.get("error")}
@@ -163,6 +170,8 @@ def measure_blocks(args: MaxSeqArgs, seq: int, reps: int = 3) -> dict:
     r["bound_untiled"] = held / r["block_bytes"]
     if "block_layer_bytes" in r:
         r["bound_layer"] = held / r["block_layer_bytes"]
+    if "block_heads_bytes" in r:
+        r["bound_heads"] = held / r["block_heads_bytes"]
     return r
 
 
@@ -267,7 +276,7 @@ def run_max_seq(args: MaxSeqArgs) -> dict:
         rec_times = [t for t in times["recompute"] if t]
         result["recompute_step_per_token_s"] = statistics.median(rec_times) / (seq * args.batch) if rec_times else None
         result["vs_recompute_all"] = every
-        headline = next((m for m in ("recompute+offload+tiled-layer", "recompute+offload+tiled", "recompute+offload")
+        headline = next((m for m in ("recompute+offload+tiled-heads", "recompute+offload+tiled-layer", "recompute+offload+tiled", "recompute+offload")
                          if m in every), others[0])
         result["vs_recompute"] = dict(every[headline], mode=headline)
         if args.bound and any(base_mode(m)[1] for m in args.modes):
@@ -287,6 +296,9 @@ def _blocks_line(b: dict) -> str:
     if "bound_layer" in b:
         line += (f"; layer tiled {b['block_layer_bytes'] / MIB:.2f} MiB: bound / block_layer = "
                  f"x{b['bound_layer']:.2f}")
+    if "bound_heads" in b:
+        line += (f"; layer tiled, a head at a time {b['block_heads_bytes'] / MIB:.2f} MiB: bound / block_heads = "
+                 f"x{b['bound_heads']:.2f}")
     return line
 
 
@@ -305,7 +317,7 @@ def format_max_seq(result: dict) -> str:
                  f"key-value heads, SwiGLU {cfg.n_ffn}, RMSNorm, RoPE, {'tied' if m['tie'] else 'untied'} head")
     else:
         shape = f"{m['layers']} blocks, hidden {m['hidden']}, {m['heads']} heads"
-    tiles = (f"; +tiled: MLP tiles of {result['tile_tokens']} tokens (+tiled-layer: the whole layer's)"
+    tiles = (f"; +tiled: MLP tiles of {result['tile_tokens']} tokens (+tiled-layer, +tiled-heads: the whole layer's)"
              if any(base_mode(r["mode"])[1] for r in result["max_seq"]) and result.get("tile_tokens") else "")
     lines = [f"longest sequence per mode: {shape}, vocab {m['vocab']}, loss in chunks of {m['loss_chunk']} tokens"
              f"{tiles}; batch {result['batch']}, {result['dtype']}, {result['device']}; limit: {limit}", ""]
@@ -338,7 +350,10 @@ def format_max_seq(result: dict) -> str:
         if blocks:
             lines.append(f"per block at {blocks['seq']} tokens (measured): " + _blocks_line(blocks))
             if "bound" in blocks:
-                bound = blocks["bound_layer"] if name.endswith(TILED_LAYER) and "bound_layer" in blocks else blocks["bound"]
+                bound = blocks["bound"]
+                for suffix, key in ((TILED_LAYER, "bound_layer"), (TILED_HEADS, "bound_heads")):
+                    if name.endswith(suffix) and key in blocks:
+                        bound = blocks[key]
                 lines.append(f"{name} reaches {vs['seq_ratio'] / bound:.0%} of the bound")
         for mode, v in (every or {name: vs}).items():
             if v.get("did_not_fit"):

@@ -407,21 +407,27 @@ def tile_mlps(model: nn.Module, tile_tokens: int | None = None) -> int:
     return len(model.blocks)
 
 
-def tile_layers(model: nn.Module, tile_tokens: int | None = None) -> int:
+def tile_layers(model: nn.Module, tile_tokens: int | None = None, head_groups: int | None = None) -> int:
     """Tiles every :class:`LlamaBlock` whole along the sequence (the input norm, q/k/v and RoPE in
     tiles; attention over the whole sequence; the o-projection, both residuals, the second norm and
     the MLP in tiles: :mod:`ssdtrain.longctx.tiled_layer`), ``tile_tokens`` positions a tile
-    (``None``: as many as the hidden size); returns how many. Llama-shaped models only."""
+    (``None``: as many as the hidden size); returns how many. ``head_groups``: attention (and the
+    q/k/v it takes) a group of query heads at a time, in that many groups
+    (:mod:`ssdtrain.longctx.head_groups`; ``None``: all heads at once). Llama-shaped models only."""
     from ssdtrain.longctx.tiled import replace_forward
 
     if not all(isinstance(block, LlamaBlock) for block in model.blocks):
         raise ValueError("tile_layers tiles Llama blocks (RMSNorm, RoPE, GQA, SwiGLU); tile a GPT's MLPs with tile_mlps")
+    heads = model.blocks[0].attn.heads if len(model.blocks) else 1
+    if head_groups is not None and (not isinstance(head_groups, int) or head_groups < 1 or heads % head_groups):
+        raise ValueError(f"tile_layers: head_groups must divide the {heads} query heads, got {head_groups!r}")
     for block in model.blocks:
-        replace_forward(block, functools.partial(_tiled_block_forward, block, tile_tokens))
+        replace_forward(block, functools.partial(_tiled_block_forward, block, tile_tokens, head_groups))
     return len(model.blocks)
 
 
-def _tiled_block_forward(block: LlamaBlock, tile_tokens: int | None, x: torch.Tensor) -> torch.Tensor:
+def _tiled_block_forward(block: LlamaBlock, tile_tokens: int | None, head_groups: int | None,
+                         x: torch.Tensor) -> torch.Tensor:
     from ssdtrain.longctx.tiled import tile_bounds
     from ssdtrain.longctx.tiled_layer import params_of, tiled_parts
 
@@ -444,7 +450,38 @@ def _tiled_block_forward(block: LlamaBlock, tile_tokens: int | None, x: torch.Te
         r = xt + attn.o(yt.transpose(1, 2).reshape(b, hi - lo, h))
         return (r + block.mlp(block.ln2(r)),)
 
-    q, k, v = tiled_parts(pre, (x,), params_of(block.ln1, attn.q, attn.k, attn.v), bounds)
+    pre_params, post_params = params_of(block.ln1, attn.q, attn.k, attn.v), params_of(attn.o, block.ln2, block.mlp)
+    if head_groups is not None:
+        return _grouped(block, pre_params, post_params, post, bounds, head_groups, x)
+    q, k, v = tiled_parts(pre, (x,), pre_params, bounds)
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=attn.kv != attn.heads)
-    (z,) = tiled_parts(post, (x, y), params_of(attn.o, block.ln2, block.mlp), bounds)
+    (z,) = tiled_parts(post, (x, y), post_params, bounds)
     return z
+
+
+def _grouped(block: LlamaBlock, pre_params: tuple, post_params: tuple, post, bounds: tuple, groups: int,
+             x: torch.Tensor) -> torch.Tensor:
+    """The tiled block with attention ``groups`` groups of query heads at a time
+    (:func:`ssdtrain.longctx.head_groups.grouped_layer`); a group's q/k/v from its rows of the
+    weights, so its projections cost only its share."""
+    from ssdtrain.longctx.head_groups import grouped_layer, kernel_available
+
+    attn = block.attn
+    b, d = x.shape[0], attn.d
+    hq, rep = attn.heads // groups, attn.heads // attn.kv  # a group's query heads; query heads a key head
+    hk = max(1, hq // rep)  # the key/value heads a group uses
+
+    def part(lo: int, hi: int, g: int, xt: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        n, t = block.ln1(xt), hi - lo
+        k0 = g * hq // rep
+        q = F.linear(n, attn.q.weight[g * hq * d:(g + 1) * hq * d]).view(b, t, hq, d).transpose(1, 2)
+        k = F.linear(n, attn.k.weight[k0 * d:(k0 + hk) * d]).view(b, t, hk, d).transpose(1, 2)
+        v = F.linear(n, attn.v.weight[k0 * d:(k0 + hk) * d]).view(b, t, hk, d).transpose(1, 2)
+        c, z = rope_tables(t, d, attn.theta, xt.device, xt.dtype, start=lo)
+        return apply_rope(q, c, z), apply_rope(k, c, z), v
+
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+    attend = None if kernel_available(x.device) else sdpa
+    return grouped_layer(part, post, (x,), pre_params, post_params, bounds, groups, attend=attend)

@@ -29,6 +29,10 @@ What it does, without touching the model's code:
   (:mod:`ssdtrain.longctx.hf_layer`): the norms, q/k/v with the rotary positions, the
   o-projection, both residuals and the MLP, so that in the recomputed layer only what attention
   needs (q, k, v, its output) and the layer's input and output span the sequence.
+- Or, with ``tile="heads"``, that and **attention a group of query heads at a time**
+  (``head_groups``, one per key/value head by default: :mod:`ssdtrain.longctx.head_groups`): of the
+  whole sequence the recomputed layer keeps its input, attention's output and log-sum-exp; q, k, v
+  and their gradients exist for one group at a time.
 - **The loss in chunks** (:func:`chunked_lm_loss`): in training forwards given ``labels`` the
   model's forward computes the LM head and cross entropy ``loss_chunk`` tokens at a time, each
   chunk under a non-reentrant checkpoint, so no more than one chunk's logits (chunk x vocab, in
@@ -168,7 +172,8 @@ class LongContext:
 
 
 def long_context(model: nn.Module, *, tile_tokens: int | None = None, loss_chunk: int = 4096,
-                 checkpointing: bool = True, offloader: Any = None, tile: str = "mlp") -> LongContext:
+                 checkpointing: bool = True, offloader: Any = None, tile: str = "mlp",
+                 head_groups: int | None = None) -> LongContext:
     """Sets a Llama / Mistral / Qwen2 / Qwen3 causal LM up for long sequences (module docstring).
 
     Args:
@@ -176,7 +181,10 @@ def long_context(model: nn.Module, *, tile_tokens: int | None = None, loss_chunk
         tile_tokens: sequence positions per tile; ``None``: the hidden size; ``0``: nothing tiled.
         tile: ``"mlp"``: each layer's MLP tiled; ``"layer"``: each layer tiled whole but for
             attention (the norms, q/k/v with RoPE, the o-projection, residuals and the MLP:
-            :mod:`ssdtrain.longctx.hf_layer`).
+            :mod:`ssdtrain.longctx.hf_layer`); ``"heads"``: that, and attention a group of query
+            heads at a time (:mod:`ssdtrain.longctx.head_groups`): the least memory.
+        head_groups: ``tile="heads"``: how many groups (dividing the query heads, and a divisor or a
+            multiple of the key/value heads; ``None``: one per key/value head).
         loss_chunk: tokens per chunk of the loss; ``0``: the model's own loss.
         checkpointing: turn per-layer activation checkpointing on (non-reentrant) if it is off.
         offloader: an :class:`ssdtrain.Offloader` (or ``ssdtrain.offload(...)``'s result) that
@@ -193,22 +201,29 @@ def long_context(model: nn.Module, *, tile_tokens: int | None = None, loss_chunk
     _check(lm)
     if tile_tokens is not None and tile_tokens != 0:
         tile_bounds(1, tile_tokens=tile_tokens)  # checks it
-    if tile not in ("mlp", "layer"):
-        raise ValueError(f"tile must be 'mlp' (each layer's MLP in tiles) or 'layer' (the whole layer but "
-                         f"attention), got {tile!r}")
-    if tile == "layer" and tile_tokens == 0:
-        raise ValueError("tile='layer' with tile_tokens=0 tiles nothing: give tile_tokens (None: the hidden size)")
+    if tile not in ("mlp", "layer", "heads"):
+        raise ValueError(f"tile must be 'mlp' (each layer's MLP in tiles), 'layer' (the whole layer but "
+                         f"attention) or 'heads' (that, and attention a group of heads at a time), got {tile!r}")
+    if tile != "mlp" and tile_tokens == 0:
+        raise ValueError(f"tile={tile!r} with tile_tokens=0 tiles nothing: give tile_tokens (None: the hidden size)")
+    if head_groups is not None and tile != "heads":
+        raise ValueError(f"head_groups is for tile='heads', not tile={tile!r}")
+    groups = lm.config.num_key_value_heads if head_groups is None else head_groups
+    if tile == "heads":
+        from ssdtrain.longctx.hf_layer import check_head_groups
+
+        check_head_groups(lm.config, groups)
     if isinstance(loss_chunk, bool) or not isinstance(loss_chunk, int) or loss_chunk < 0:
         raise ValueError(f"loss_chunk must be an int >= 0 (0: the model's own loss), got {loss_chunk!r}")
     done = LongContext(model, lm)
     try:
         if checkpointing:
             _enable_checkpointing(lm, done)
-        if tile == "layer":
+        if tile in ("layer", "heads"):
             from ssdtrain.longctx.hf_layer import tile_layer_in_place
 
             for layer in lm.model.layers:
-                done._undo.append(tile_layer_in_place(layer, tile_tokens))
+                done._undo.append(tile_layer_in_place(layer, tile_tokens, groups if tile == "heads" else None))
                 done.tiled_layers += 1
         elif tile_tokens != 0:
             for layer in lm.model.layers:

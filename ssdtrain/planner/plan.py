@@ -66,7 +66,9 @@ The model behind the numbers, stated once (each is also in the JSON under ``assu
   ``--tile-tokens`` positions at a time: its SwiGLU tensors for one tile only), ``recompute+tiled-layer``
   (every position-wise part of the block so: of the whole sequence only the block's input, q, k, v,
   the attention output and their gradients, ``plan_layer.layer_tiled_moments``), ``recompute+offload``,
-  ``recompute+offload+tiled`` and ``+tiled-layer`` (every block input off the GPU but 2: the recomputed block's and
+  ``recompute+tiled-heads`` (that, and attention a group of query heads at a time: of the whole
+  sequence the block's input, attention's output and three gradients, ``plan_layer.layer_heads_moments``),
+  ``recompute+offload+tiled``, ``+tiled-layer`` and ``+tiled-heads`` (every block input off the GPU but 2: the recomputed block's and
   one in flight; ``L x s x h x d`` bytes, 256 KiB a token for Llama-3.1-8B, to the host share
   ``--host-gib``, or ``--node-host-gib`` over ``--gpus-per-node``, and the rest to the drives), with
   the host memory and drive space that needs and the drive rate at which the spill is free:
@@ -240,6 +242,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="positions per tile in the +tiled (the MLP) and +tiled-layer (every position-wise part) "
                     "long-context modes (ssdtrain.longctx; default: "
                     "the hidden size, as long_context's)")
+    ap.add_argument("--head-groups", type=int, default=None,
+                    help="the +tiled-heads long-context modes (llama): groups of query heads attention runs one at "
+                    "a time (default: one per key/value head; up to --heads, one head a group)")
     ap.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
     ap.add_argument("--no-flash", action="store_true", help="naive attention (saves the s x s scores)")
     ap.add_argument("--no-dropout", action="store_true", help="no dropout masks saved")
@@ -291,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
             layers=shape["layers"], hidden=shape["hidden"], heads=shape["heads"], seq=args.seq,
             vocab=shape["vocab"], arch=shape["arch"], kv_heads=shape.get("kv_heads"),
             ffn_hidden=shape.get("ffn_hidden"), tile_tokens=args.tile_tokens, optimizer=args.optimizer,
+            head_groups=args.head_groups,
             gpus=args.gpus, gpu_mem_gib=args.gpu_mem_gib,
             global_batch=args.global_batch, dtype=args.dtype, flash=not args.no_flash,
             dropout=not args.no_dropout, stages=args.stages, tflops=args.tflops,

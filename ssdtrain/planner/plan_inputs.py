@@ -80,6 +80,9 @@ class Inputs:
     tile_tokens: int | None = None
     """Positions per tile in the ``+tiled`` modes (the MLP's) and the ``+tiled-layer`` modes (every
     position-wise part's); ``None``: the hidden size (``ssdtrain.longctx``'s default)."""
+    head_groups: int | None = None
+    """Groups of query heads attention runs one at a time in the ``+tiled-heads`` modes (``llama``);
+    ``None``: one per key/value head. A multiple of ``kv_heads`` dividing ``heads``."""
     optimizer: str = "adamw"
     """``OPTIMIZERS``: the optimizer state per trained parameter, unless ``optimizer_bytes`` says it."""
     gpus_per_node: int | None = None
@@ -93,7 +96,7 @@ class Inputs:
             raise ValueError(f"--arch must be one of {ARCHS}, got {self.arch!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"--optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
-        for name in ("kv_heads", "ffn_hidden", "tile_tokens", "gpus_per_node"):
+        for name in ("kv_heads", "ffn_hidden", "tile_tokens", "gpus_per_node", "head_groups"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
@@ -135,6 +138,11 @@ class Inputs:
         if self.heads % kv_heads:
             raise ValueError(f"--heads ({self.heads}) must be divisible by --kv-heads ({kv_heads})")
         object.__setattr__(self, "kv_heads", kv_heads)
+        groups = self.head_groups or kv_heads
+        if self.heads % groups or groups % kv_heads:
+            raise ValueError(f"--head-groups ({groups}) must divide --heads ({self.heads}) and be a multiple of "
+                             f"the key/value heads ({kv_heads})")
+        object.__setattr__(self, "head_groups", groups)
         object.__setattr__(self, "ffn_hidden", ffn)
         object.__setattr__(self, "tile_tokens", self.tile_tokens or self.hidden)
         object.__setattr__(self, "gpus_per_node", self.gpus_per_node or min(self.gpus, 8))

@@ -6,9 +6,9 @@ Pure Python, no torch; the functions that take ``inp`` read a :class:`~ssdtrain.
 
 from __future__ import annotations
 
-__all__ = ["activation_bytes_per_layer", "block_working_bytes", "head_activation_bytes", "layer_forward_flops",
-           "layer_params", "layer_tiled_moments", "llama_activation_bytes_per_layer", "mlp_forward_flops",
-           "position_wise_forward_flops"]
+__all__ = ["activation_bytes_per_layer", "attention_forward_flops", "block_working_bytes", "head_activation_bytes", "layer_forward_flops",
+           "layer_heads_moments", "layer_params", "layer_tiled_moments", "llama_activation_bytes_per_layer", "mlp_forward_flops",
+           "position_wise_forward_flops", "qkv_forward_flops"]
 
 
 def activation_bytes_per_layer(
@@ -64,7 +64,8 @@ def llama_activation_bytes_per_layer(seq: int, hidden: int, heads: int, kv_heads
     return total
 
 
-def block_working_bytes(inp, micro_batch: int = 1, *, tiled: bool = False, layer: bool = False) -> int:
+def block_working_bytes(inp, micro_batch: int = 1, *, tiled: bool = False, layer: bool = False,
+                        heads: bool = False) -> int:
     """Peak bytes of the block that backward recomputes under checkpointing (its input included):
     recompute's working set on top of the checkpoints.
 
@@ -80,8 +81,12 @@ def block_working_bytes(inp, micro_batch: int = 1, *, tiled: bool = False, layer
     (``7df`` a token) exist for one tile of ``tile_tokens`` positions.
 
     ``layer=True``: the whole layer tiled (``recompute+tiled-layer``), both archs: the largest of
-    :func:`layer_tiled_moments` (``gpt``: Korthikanti's count with the position-wise saves for one tile)."""
-    if layer:
+    :func:`layer_tiled_moments` (``gpt``: Korthikanti's count with the position-wise saves for one tile).
+    ``heads=True`` (``llama``): that, and attention a group of heads at a time
+    (``recompute+tiled-heads``): the largest of :func:`layer_heads_moments`."""
+    if heads and inp.arch == "llama":
+        return max(layer_heads_moments(inp, micro_batch).values())
+    if layer or heads:
         return max(layer_tiled_moments(inp, micro_batch).values())
     s, b, h, d = inp.seq, micro_batch, inp.hidden, inp.dtype_bytes
     t = min(s, inp.tile_tokens) if tiled else s
@@ -163,6 +168,40 @@ def layer_tiled_moments(inp, micro_batch: int = 1) -> dict[str, int]:
     }
 
 
+def layer_heads_moments(inp, micro_batch: int = 1) -> dict[str, int]:
+    """Bytes the recomputed ``llama`` block holds when the whole layer is tiled and attention runs a
+    group of query heads at a time (``ssdtrain.longctx.head_groups.grouped_layer``): ``G =
+    inp.head_groups`` groups (by default one per key/value head), a group's q ``hq = h/G`` wide, its
+    k and v ``kvg = max(kv/G, h/heads)`` (with more groups than key/value heads, one head each).
+    The layer is one Function; it keeps of the whole sequence the block input ``x``, attention's
+    output ``y`` and its fp32 log-sum-exp (``4a``), and in backward the incoming gradient of the
+    block output, the input's gradient (one buffer both branches write) and ``y``'s (``5dh + 4a``
+    a token at every backward moment). Beside that, the largest of:
+
+    * ``post``: the o-projection, residuals, norm and MLP again a tile at a time with a graph: one
+      tile's tensors and gradients as :func:`layer_tiled_moments`' ``mlp`` has them
+      (``d(3h + 7f) + 4``);
+    * ``attention``: one group's q, k and v (``d(hq + 2kvg)``), each key/value head repeated for the
+      group's query heads where the kernel wants them so (``2dhq``), the gradients of q and of the
+      repeated k and v (``3dhq``) and of k and v folded (``2dkvg``), the group's rows of ``y``'s
+      gradient copied dense (``dhq``) and the fp32 dq accumulator (``4hq``): ``d(7hq + 4kvg) + 4hq``
+      a token, and one tile of the part replayed (the normed copy, q, k, v and their gradients,
+      ``2d(h + hq + 2kvg)``).
+
+    For Llama-3.1-8B in bf16: 51,404 bytes a token at ``attention`` with ``G = 8``, 44,492 with
+    ``G = 32`` (a head at a time), against 73,984 with the layer tiled and attention whole."""
+    s, b, h, d, a, f = inp.seq, micro_batch, inp.hidden, inp.dtype_bytes, inp.heads, inp.ffn_hidden
+    t = min(s, inp.tile_tokens)
+    sb, tb = s * b, t * b
+    groups = inp.head_groups
+    hq, kvg = h // groups, max(inp.kv_dim // groups, h // a)
+    whole = sb * (5 * d * h + 4 * a)
+    return {
+        "post": whole + tb * (d * (3 * h + 7 * f) + 4),
+        "attention": whole + sb * (d * (7 * hq + 4 * kvg) + 4 * hq) + tb * 2 * d * (h + hq + 2 * kvg),
+    }
+
+
 def _backward_grad_bytes(inp, micro_batch: int) -> int:
     """Gradients alive in one block's backward beyond its saves, without recompute: 0 for ``gpt``
     (Korthikanti's count, as before); for ``llama`` the larger of the MLP's ``d(2h + 3f)`` and the
@@ -201,6 +240,20 @@ def position_wise_forward_flops(inp, seq: int | None = None) -> float:
     if inp.arch == "gpt":
         return 24.0 * s * h * h
     return 2.0 * s * h * (2 * h + 2 * inp.kv_dim + 3 * inp.ffn_hidden)
+
+
+def qkv_forward_flops(inp, seq: int | None = None) -> float:
+    """Forward FLOPs of one ``llama`` block's q/k/v projections, ``2sh(h + 2kv)`` (``gpt``: ``6sh²``)."""
+    s = inp.seq if seq is None else seq
+    h = inp.hidden
+    return 6.0 * s * h * h if inp.arch == "gpt" else 2.0 * s * h * (h + 2 * inp.kv_dim)
+
+
+def attention_forward_flops(inp, seq: int | None = None) -> float:
+    """Forward FLOPs of one block's attention over the sequence (:func:`layer_forward_flops`' ``s²``
+    part: ``gpt`` ``4s²h``, ``llama`` causal ``2s²h``)."""
+    s = inp.seq if seq is None else seq
+    return (4.0 if inp.arch == "gpt" else 2.0) * s * s * inp.hidden
 
 
 def _layer_params(h: int) -> int:

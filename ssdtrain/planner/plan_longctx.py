@@ -15,7 +15,11 @@ Modes (micro-batch 1, ``inp.stages or 1`` stages, memory from ``plan_model._stag
   recomputed block keeps of the whole sequence only its input, q, k, v, the attention output, the
   log-sum-exp and in backward their gradients (``plan_layer.layer_tiled_moments``): its peak is
   attention's backward, as with the MLP alone tiled, less the normed copy of the input.
-* ``recompute+offload`` (``+tiled``, ``+tiled-layer``): the block inputs leave the GPU (ssdtrain, ``min_bytes=0``):
+* ``recompute+tiled-heads``: the same with attention a group of query heads (one key/value head's)
+  at a time (``ssdtrain.longctx.head_groups``): of the whole sequence the recomputed block keeps its
+  input, attention's output and log-sum-exp, and in backward three gradients
+  (``plan_layer.layer_heads_moments``); q, k, v and their gradients exist for one group at a time.
+* ``recompute+offload`` (``+tiled``, ``+tiled-layer``, ``+tiled-heads``): the block inputs leave the GPU (ssdtrain, ``min_bytes=0``):
   to the host tier while its share holds them, to the drives beyond it. The GPU keeps the
   recomputed block's input and ``CKPT_RESIDENT`` more in flight. Its longest sequence is what GPU
   memory allows, whatever the host holds (the drives take the rest): ``host_alone_seq`` is the
@@ -31,7 +35,10 @@ and the head's ``2shV`` at ``--tflops``; backward is twice forward's FLOPs at ``
 tiled MLPs once more (each tile is recomputed in the tiled MLP's backward) and the head under a
 chunked loss (each chunk is checkpointed); ``+tiled-layer``: the blocks' position-wise parts once
 more instead of the MLPs (``plan_layer.position_wise_forward_flops``: all but attention's ``s²``
-part). Copies and I/O are assumed to overlap compute.
+part); ``+tiled-heads``: that, the q/k/v projections once more (each group's made again in backward
+before its part is replayed) and, on a GPU, attention's forward once more (the CUDA path takes a
+group's gradients by running its attention again: ``ssdtrain.longctx.head_groups``' recompute path;
+the kernel path, which does not, runs on the CPU only so far). Copies and I/O are assumed to overlap compute.
 
 Drive figures for the offload modes, at the longest sequence:
 
@@ -57,14 +64,17 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from ssdtrain.planner.plan_layer import layer_forward_flops, mlp_forward_flops, position_wise_forward_flops
+from ssdtrain.planner.plan_layer import (attention_forward_flops, layer_forward_flops, mlp_forward_flops,
+                                        position_wise_forward_flops, qkv_forward_flops)
 from ssdtrain.planner.plan_model import GIB, _stage_memory, _usable_bytes, model_params, model_state_bytes
 
 __all__ = ["LONGCTX_MODES", "OFFLOAD_MODES", "format_long_context", "long_context", "step_seconds"]
 
-LONGCTX_MODES = ("baseline", "recompute", "recompute+tiled", "recompute+tiled-layer", "recompute+offload",
-                 "recompute+offload+tiled", "recompute+offload+tiled-layer")
-OFFLOAD_MODES = ("recompute+offload", "recompute+offload+tiled", "recompute+offload+tiled-layer")
+LONGCTX_MODES = ("baseline", "recompute", "recompute+tiled", "recompute+tiled-layer", "recompute+tiled-heads",
+                 "recompute+offload", "recompute+offload+tiled", "recompute+offload+tiled-layer",
+                 "recompute+offload+tiled-heads")
+OFFLOAD_MODES = ("recompute+offload", "recompute+offload+tiled", "recompute+offload+tiled-layer",
+                 "recompute+offload+tiled-heads")
 _SEQ_STEP = 256  # sequence lengths are searched in multiples of this
 _SEQ_CAP = 1 << 24
 
@@ -111,6 +121,12 @@ def step_seconds(inp, mode: str, seq: int) -> dict:
         again += layers * mlp_forward_flops(one)
     elif mode.endswith("+tiled-layer"):
         again += layers * position_wise_forward_flops(one)
+    elif mode.endswith("+tiled-heads"):  # the module docstring: q/k/v made once more, attention's forward again
+        # k and v made once a group: with more groups than key/value heads, each head's again for
+        # every group beside the first that uses it, in each of the three passes over the part
+        kv_again = 3 * (inp.head_groups // inp.kv_heads - 1) * 4.0 * seq * inp.hidden * inp.kv_dim
+        again += layers * (position_wise_forward_flops(one) + qkv_forward_flops(one) + attention_forward_flops(one)
+                           + kv_again)
     if inp.loss_chunk:
         again += head
     rate, back_rate = inp.tflops * 1e12, (inp.backward_tflops or inp.tflops) * 1e12
@@ -194,7 +210,7 @@ def format_long_context(section: dict, inp: dict) -> list[str]:
         f"long context: each mode's longest sequence per GPU (micro-batch 1, {section['stages']} stage(s), "
         f"{section['usable_gib']:.1f} GiB usable):",
         f"  {shape}; tiles of {section['tile_tokens']} tokens (+tiled: the MLP; +tiled-layer: every position-wise "
-        "part); "
+        "part; +tiled-heads: and attention a group of heads at a time); "
         + (f"loss chunks of {section['loss_chunk']} tokens" if section["loss_chunk"] else "the whole logits")
         + states,
         f"  block inputs {section['checkpoint_bytes_per_token'] / 1024:g} KiB a token; {share}; drives "

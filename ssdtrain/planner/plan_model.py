@@ -20,11 +20,12 @@ MODES = ("baseline", "recompute", "offload")
 RESERVE_FRACTION = 0.10
 OFFLOAD_RESIDENT_LAYERS = 2
 GIB = 1 << 30
-MODES_TILED = ("recompute+tiled", "recompute+tiled-layer", "recompute+offload", "recompute+offload+tiled",
-               "recompute+offload+tiled-layer")
+MODES_TILED = ("recompute+tiled", "recompute+tiled-layer", "recompute+tiled-heads", "recompute+offload",
+               "recompute+offload+tiled", "recompute+offload+tiled-layer", "recompute+offload+tiled-heads")
 """The long-context modes ``_stage_memory`` also knows (``plan_longctx.py``): ``+tiled`` the MLP run a
 tile of ``tile_tokens`` positions at a time (``ssdtrain.longctx``); ``+tiled-layer`` every
-position-wise part of the block so (``plan_layer.layer_tiled_moments``); ``+offload`` every block input
+position-wise part of the block so (``plan_layer.layer_tiled_moments``); ``+tiled-heads`` that and
+attention a group of heads at a time (``plan_layer.layer_heads_moments``); ``+offload`` every block input
 off the GPU (host tier, then drives) but ``CKPT_RESIDENT`` in flight."""
 CKPT_RESIDENT = 1
 """Block inputs on the GPU under ``recompute+offload`` beside the recomputed block's own: the one
@@ -91,17 +92,19 @@ def _stage_memory(inp: Inputs, mode: str, p: int, b: int, m: int, offload_fracti
     # Llama's working set counts the recomputed block's input, which is one of the checkpoints: once.
     # (gpt: Korthikanti's layer counts its LayerNorm input too; kept as it was, counted twice.)
     # The layer-tiled working set counts it for both archs.
-    layer = mode.endswith("+tiled-layer")
+    heads = mode.endswith("+tiled-heads")
+    layer = mode.endswith("+tiled-layer") or heads
     own_input = ckpt if inp.arch == "llama" or layer else 0
     if mode == "baseline":
         work = _backward_grad_bytes(inp, b)
         first_keep, last_keep = layers * inflight * act, layers * act
-    elif mode in ("recompute", "recompute+tiled", "recompute+tiled-layer"):
-        work = block_working_bytes(inp, b, tiled=mode == "recompute+tiled", layer=layer) - own_input
+    elif mode in ("recompute", "recompute+tiled", "recompute+tiled-layer", "recompute+tiled-heads"):
+        work = block_working_bytes(inp, b, tiled=mode == "recompute+tiled", layer=layer, heads=heads) - own_input
         first_keep, last_keep = layers * inflight * ckpt, layers * ckpt
-    elif mode in ("recompute+offload", "recompute+offload+tiled", "recompute+offload+tiled-layer"):
+    elif mode in ("recompute+offload", "recompute+offload+tiled", "recompute+offload+tiled-layer",
+                  "recompute+offload+tiled-heads"):
         # Every block input leaves the GPU (host tier, then drives) but the ones in flight.
-        work = block_working_bytes(inp, b, tiled=mode.endswith("+tiled"), layer=layer) - own_input
+        work = block_working_bytes(inp, b, tiled=mode.endswith("+tiled"), layer=layer, heads=heads) - own_input
         first_keep = last_keep = min(layers, 1 + CKPT_RESIDENT) * ckpt
     elif mode == "offload":
         # A fraction f of the activations goes to the drive; the rest stays like baseline's.

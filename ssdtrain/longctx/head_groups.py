@@ -1,0 +1,254 @@
+"""Causal attention a group of query heads at a time, fed by a position-wise part run in sequence
+tiles: what is left whole of a tiled layer (:mod:`ssdtrain.longctx.tiled_layer`) once its
+position-wise parts are tiled is q, k, v, the attention output and their gradients. Heads are
+independent, so :func:`grouped_attention` makes q, k and v of one group of heads at a time (from
+the layer's input, a tile at a time), attends, and keeps only that group's output: q, k, v and
+their gradients exist for one group at a time, forward and backward. What it keeps for backward is
+the layer's input, the attention output and attention's log-sum-exp (fp32, one number a head a
+position); backward makes each group's q, k and v again (a tile at a time, without a graph),
+takes attention's gradients with the fused kernel's own backward (no second attention forward),
+then replays the part a tile at a time with a graph to carry them to the input and the parameters.
+
+Under grouped-query attention a group of query heads uses the key/value heads it shares; the part
+returns them for the group (``(b, hq, t, d)`` queries, ``(b, hk, t, d)`` keys and values, ``hq`` a
+multiple of ``hk``), and each key/value head is repeated for its query heads inside the group only.
+
+Two ways to take attention's gradients:
+
+* **kernel** (the default where it exists: the CPU's fused flash kernel,
+  ``aten._scaled_dot_product_flash_attention_for_cpu``, which SDPA itself picks for a causal
+  attention without a mask on the CPU): the forward's output and log-sum-exp are saved and the
+  kernel's backward runs per group. Each head's output and its q gradient are bitwise those of
+  SDPA over all heads at once (the kernel computes heads apart); k's and v's gradients under
+  grouped-query attention are summed over a group's heads and then over groups, so they differ
+  from one SDPA call in the last bits, as the o-projection's and the input's sums over groups do.
+* **recompute** (``attend`` given: any attention function, any device, a mask, a sliding window,
+  dropout): the output is not saved; backward runs each group's attention forward again with a
+  graph (one attention forward more a step) and takes its gradients from autograd. Dropout draws
+  the same masks in backward as in forward (the RNG state is replayed and the groups run in the
+  same order).
+
+Exactness against the untiled layer, autocast and RNG replay, parameters as inputs of the Function
+(one gradient a backward, 16-bit ones summed in float32): as :mod:`ssdtrain.longctx.tiled`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ssdtrain.longctx._tiles import GradSums, _forward_tiles, _keep_saves, _Replay
+
+__all__ = ["grouped_layer", "kernel_available"]
+
+GroupPart = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+Post = Callable[..., tuple[torch.Tensor]]
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def kernel_available(device: torch.device) -> bool:
+    """Whether the kernel path runs on ``device`` (its fused kernel and backward are in this torch)."""
+    return device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
+def grouped_layer(part: GroupPart, post: Post, inputs: tuple[torch.Tensor, ...], pre_params: Iterable[torch.Tensor],
+                  post_params: Iterable[torch.Tensor], bounds: tuple[tuple[int, int], ...], groups: int, *,
+                  scale: float | None = None, attend: Attend | None = None,
+                  preserve_rng_state: bool = True) -> torch.Tensor:
+    """A decoder layer: causal attention of ``groups`` groups of query heads, each group's q/k/v
+    made by ``part`` from the inputs' tiles, then ``post`` a tile at a time on the layer's input and
+    attention's output.
+
+    Args:
+        part: ``part(a, b, g, *input_tiles) -> (q, k, v)`` of group ``g``'s query heads and the
+            key/value heads they use, for positions ``[a, b)``; position-wise along dim ``-2``.
+        post: ``post(a, b, x_tile, y_tile) -> (z_tile,)``: the o-projection, residuals, norm and
+            MLP of positions ``[a, b)``; ``x`` is ``inputs[0]``, ``y`` attention's output
+            ``(b, heads, s, d)`` (its tile ``(b, heads, t, d)``).
+        inputs: ``part``'s tensor inputs, the sequence at dim ``-2``; the first is the layer's input.
+        pre_params, post_params: the parameters ``part`` and ``post`` use that want gradients.
+        bounds: the tiles (:func:`ssdtrain.longctx.tiled.tile_bounds`).
+        groups: how many groups; every group has the same number of query heads.
+        scale: attention's scale (``None``: ``1/sqrt(head_dim)``).
+        attend: ``None``: the kernel path (:func:`kernel_available` must hold); else
+            ``attend(q, k, v) -> out``, ``(b, hq, s, d)``, the recompute path.
+        preserve_rng_state: replay the forward's RNG state in backward.
+
+    Returns the layer's output, shaped as ``inputs[0]``.
+    """
+    pre_params, post_params = tuple(pre_params), tuple(post_params)
+    if attend is None and not kernel_available(inputs[0].device):
+        raise ValueError(f"grouped_layer: no fused attention kernel with a backward on {inputs[0].device}; "
+                         "give attend= (the recompute path)")
+    if not isinstance(groups, int) or groups < 1:
+        raise ValueError(f"grouped_layer: groups must be a positive int, got {groups!r}")
+    wants = torch.is_grad_enabled() and (any(t.requires_grad for t in inputs) or pre_params or post_params)
+    if not wants:
+        with torch.no_grad():
+            y, _ = _attention(part, inputs, bounds, groups, scale, attend)
+            return _forward_tiles(post, (inputs[0], y), bounds)[0]
+    return _GroupedLayer.apply(part, post, bounds, groups, scale, attend, preserve_rng_state, len(inputs),
+                               len(pre_params), *inputs, *pre_params, *post_params)
+
+
+def _repeat(kv: torch.Tensor, hq: int) -> torch.Tensor:
+    """Each key/value head once for each of its query heads (within the group)."""
+    rep = hq // kv.shape[1]
+    return kv if rep == 1 else kv.repeat_interleave(rep, dim=1)
+
+
+def _fold(grad: torch.Tensor, hk: int) -> torch.Tensor:
+    """A repeated key/value head's gradient summed over its query heads."""
+    b, hq, s, d = grad.shape
+    return grad if hq == hk else grad.view(b, hk, hq // hk, s, d).sum(2)
+
+
+def _group_qkv(part: GroupPart, inputs: tuple, bounds: tuple, g: int) -> tuple[torch.Tensor, ...]:
+    return _forward_tiles(functools.partial(_at_group, part, g), inputs, bounds)
+
+
+def _at_group(part: GroupPart, g: int, a: int, b: int, *tiles: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return part(a, b, g, *tiles)
+
+
+def _attention(part: GroupPart, inputs: tuple, bounds: tuple, groups: int, scale: float | None,
+               attend: Attend | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Every group's output in one tensor, and (kernel path) its log-sum-exp."""
+    out = lse = None
+    for g in range(groups):
+        q, k, v = _group_qkv(part, inputs, bounds, g)
+        hq = q.shape[1]
+        if attend is None:
+            y, m = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, _repeat(k, hq), _repeat(v, hq), 0.0, True, scale=scale)
+        else:
+            y, m = attend(q, k, v), None
+        if out is None:
+            b, _, s, d = y.shape
+            out = y.new_empty((b, s, hq * groups, d)).transpose(1, 2)  # (b, heads, s, d), heads beside d
+            lse = None if m is None else m.new_empty((b, hq * groups, s))
+        out[:, g * hq:(g + 1) * hq].copy_(y)
+        if m is not None:
+            lse[:, g * hq:(g + 1) * hq].copy_(m)
+        del q, k, v, y, m
+    return out, lse
+
+
+class _GroupedLayer(torch.autograd.Function):
+    """Forward, without a graph: each group's q/k/v from the inputs' tiles and its attention, then
+    ``post``'s tiles; saved: the inputs, attention's output (and, kernel path, its log-sum-exp).
+    Backward: ``post``'s tiles again with a graph (the input's gradient and attention's output's,
+    each written whole once), then per group q/k/v again, attention's gradients, and ``part``'s
+    tiles replayed with a graph, their input gradients added into the same buffer: the input's
+    gradient is one tensor, not one per branch summed after."""
+
+    @staticmethod
+    def forward(ctx: Any, part: GroupPart, post: Post, bounds: tuple, groups: int, scale: float | None,
+                attend: Attend | None, preserve_rng_state: bool, n_inputs: int, n_pre: int,
+                *tensors: torch.Tensor) -> torch.Tensor:
+        inputs = tensors[:n_inputs]
+        ctx.part, ctx.post, ctx.bounds, ctx.groups, ctx.scale, ctx.attend = part, post, bounds, groups, scale, attend
+        ctx.n_inputs, ctx.n_pre = n_inputs, n_pre
+        ctx.params = tensors[n_inputs:]  # alive anyway, never activations
+        ctx.replay = _Replay(inputs[0].device, preserve_rng_state)
+        y, lse = _attention(part, inputs, bounds, groups, scale, attend)
+        (z,) = _forward_tiles(post, (inputs[0], y), bounds)
+        ctx.save_for_backward(*inputs, y, *(() if lse is None else (lse,)))
+        return z
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_z: torch.Tensor) -> tuple:
+        n, saved, skip = ctx.n_inputs, ctx.saved_tensors, 9
+        inputs, y = saved[:n], saved[n]
+        lse = saved[n + 1] if ctx.attend is None else None
+        want_in = [i for i in range(n) if ctx.needs_input_grad[skip + i]]
+        want_p = [i for i in range(len(ctx.params)) if ctx.needs_input_grad[skip + n + i]]
+        pre_want = [i for i in want_p if i < ctx.n_pre]
+        post_want = [i for i in want_p if i >= ctx.n_pre]
+        grad_in: list[torch.Tensor | None] = [torch.zeros_like(inputs[i]) if i in want_in else None for i in range(n)]
+        pre_sums, post_sums = GradSums(len(pre_want)), GradSums(len(post_want))
+        replay = ctx.replay
+        with replay.rng():
+            dy = _post_backward(ctx, inputs[0], y, grad_z, grad_in[0], [ctx.params[i] for i in post_want], post_sums)
+            for g in range(ctx.groups):
+                grads = _attention_backward(ctx, g, inputs, y, lse, dy)
+                _replay_part(ctx, g, inputs, grads, want_in, [ctx.params[i] for i in pre_want], grad_in, pre_sums)
+                del grads
+        params = list(pre_sums.grads(ctx.params, pre_want))
+        for i, t in enumerate(post_sums.grads(ctx.params, post_want)):
+            if t is not None:
+                params[i] = t
+        return (None,) * skip + (*grad_in, *params)
+
+
+def _post_backward(ctx: Any, x: torch.Tensor, y: torch.Tensor, grad_z: torch.Tensor, dx: torch.Tensor | None,
+                   targets: list, sums: GradSums) -> torch.Tensor:
+    """``post`` again a tile at a time with a graph: the input's gradient written into ``dx``, the
+    parameters' into ``sums``; returns attention's output's gradient (whole, ``y``'s layout)."""
+    dy = torch.empty_like(y)
+    with torch.enable_grad(), _keep_saves():
+        for a, b in ctx.bounds:
+            xt = x.narrow(-2, a, b - a).detach().requires_grad_(dx is not None)
+            yt = y.narrow(-2, a, b - a).detach().requires_grad_(True)
+            with ctx.replay.autocast():
+                (zt,) = ctx.post(a, b, xt.view_as(xt) if dx is not None else xt, yt.view_as(yt))
+            wrt = ([xt] if dx is not None else []) + [yt] + targets
+            got = torch.autograd.grad(zt, wrt, grad_z.narrow(-2, a, b - a), allow_unused=True)
+            del zt
+            if dx is not None:
+                _write(dx, got[0], a, b)
+                got = got[1:]
+            _write(dy, got[0], a, b)
+            for j, t in enumerate(got[1:]):
+                sums.add(j, t)
+            del got
+    return dy
+
+
+def _write(dst: torch.Tensor, t: torch.Tensor | None, a: int, b: int) -> None:
+    rows = dst.narrow(-2, a, b - a)
+    rows.zero_() if t is None else rows.copy_(t)
+
+
+def _attention_backward(ctx: Any, g: int, inputs: tuple, y: torch.Tensor, lse: torch.Tensor | None,
+                        dy: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Group ``g``'s q, k and v made again (without a graph) and attention's gradients of them."""
+    with torch.no_grad(), ctx.replay.autocast():
+        q, k, v = _group_qkv(ctx.part, inputs, ctx.bounds, g)
+    hq, hk = q.shape[1], k.shape[1]
+    rows = slice(g * hq, (g + 1) * hq)
+    if ctx.attend is None:
+        kr, vr = _repeat(k, hq), _repeat(v, hq)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dy[:, rows].contiguous(), q, kr, vr, y[:, rows], lse[:, rows], 0.0, True, scale=ctx.scale)
+        return dq, _fold(dk, hk), _fold(dv, hk)
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    with torch.enable_grad(), _keep_saves():
+        with ctx.replay.autocast():
+            out = ctx.attend(*leaves)
+        return torch.autograd.grad(out, leaves, dy[:, rows])
+
+
+def _replay_part(ctx: Any, g: int, inputs: tuple, grads: tuple, want_in: list[int], targets: list,
+                 grad_in: list, sums: GradSums) -> None:
+    """Group ``g``'s part again, a tile at a time with a graph, its q/k/v gradients carried back:
+    the inputs' gradients added into ``grad_in``, the parameters' into ``sums``."""
+    with torch.enable_grad(), _keep_saves():
+        for a, b in ctx.bounds:
+            tiles = [t.narrow(-2, a, b - a).detach().requires_grad_(i in want_in) for i, t in enumerate(inputs)]
+            with ctx.replay.autocast():
+                ys = ctx.part(a, b, g, *(t.view_as(t) if t.requires_grad else t for t in tiles))
+            wrt = [tiles[i] for i in want_in] + targets
+            got = torch.autograd.grad(ys, wrt, [d.narrow(-2, a, b - a) for d in grads], allow_unused=True)
+            del ys
+            for i, t in zip(want_in, got[:len(want_in)]):
+                if t is not None:
+                    grad_in[i].narrow(-2, a, b - a).add_(t)
+            for j, t in enumerate(got[len(want_in):]):
+                sums.add(j, t)
+            del got
