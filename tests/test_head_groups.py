@@ -132,7 +132,8 @@ def test_grouped_layer_gradcheck(attend):
     bounds = tile_bounds(s, tile_tokens=5)
 
     def f(x, *ws):
-        return grouped_layer(part, post, (x,), (wq, wk, wv), (wo,), bounds, groups, attend=sdpa if attend else None)
+        return grouped_layer(part, post, (x,), (wq, wk, wv), (wo,), bounds, groups, kv,
+                             attend=sdpa if attend else None)
 
     x = torch.randn(b, s, h, dtype=torch.double, requires_grad=True)
     assert torch.autograd.gradcheck(f, (x, wq, wk, wv, wo))
@@ -144,10 +145,10 @@ def test_refusals():
         tile_layers(model, 64, head_groups=3)
     x = torch.randn(1, 8, 4)
     with pytest.raises(ValueError, match="groups must be a positive int"):
-        grouped_layer(lambda *a: a, lambda *a: a, (x,), (), (), ((0, 8),), 0, attend=lambda q, k, v: q)
+        grouped_layer(lambda *a: a, lambda *a: a, (x,), (), (), ((0, 8),), 0, 1, attend=lambda q, k, v: q)
     if not HG.kernel_available(torch.device("meta")):
         with pytest.raises(ValueError, match="no fused attention kernel"):
-            grouped_layer(lambda *a: a, lambda *a: a, (x.to("meta"),), (), (), ((0, 8),), 1)
+            grouped_layer(lambda *a: a, lambda *a: a, (x.to("meta"),), (), (), ((0, 8),), 1, 1)
 
 
 transformers = pytest.importorskip("transformers")

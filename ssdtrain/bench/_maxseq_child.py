@@ -38,7 +38,7 @@ def _child(spec: dict) -> dict:
             torch.cuda.set_per_process_memory_fraction(spec["budget"] / total, dev)
         model = make_model(cfg).to(dtype).to(dev)
         if tiled in ("layer", "heads"):
-            tile_layers(model, spec.get("tile_tokens"), cfg.heads if tiled == "heads" else None)
+            tile_layers(model, spec.get("tile_tokens"), (spec.get("head_groups") or cfg.heads) if tiled == "heads" else None)
         elif tiled:
             tile_mlps(model, spec.get("tile_tokens"))
         mode = Mode(name, model, offloader_factory(spec.get("path"), None))
@@ -217,7 +217,7 @@ def _blocks_child(spec: dict) -> dict:
             elif key == "block_layer_bytes":
                 tile_layers(model, spec.get("tile_tokens"))  # the block's own forward, tiled whole
             elif key == "block_heads_bytes":
-                tile_layers(model, spec.get("tile_tokens"), cfg.heads)  # and a head at a time
+                tile_layers(model, spec.get("tile_tokens"), spec.get("head_groups") or cfg.heads)  # a group at a time
             peaks = []
             for rep in range(spec.get("reps", 3) + 1):
                 block.zero_grad(set_to_none=True)

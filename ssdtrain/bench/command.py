@@ -96,6 +96,9 @@ def _parser() -> argparse.ArgumentParser:
                       "block but attention, ssdtrain.longctx.tiled_layer; +tiled-heads: that, and attention a query head at a time, "
                       "ssdtrain.longctx.head_groups): positions a tile (default: the hidden "
                       "size, DeepSpeed ALST's)")
+    long.add_argument("--head-groups", type=int,
+                      help="the +tiled-heads modes: groups of query heads attention runs one at a time (default: "
+                      "one head a group); must divide --heads")
     long.add_argument("--pairs", type=int, default=2,
                       help="alternated rounds of recompute and each other recompute mode at recompute's longest "
                       "sequence, for the step ratios (default 2)")
@@ -165,6 +168,8 @@ def _max_seq(ns: argparse.Namespace) -> int:
     if not llama and any(base_mode(m)[1] in ("layer", "heads") for m in modes):
         raise ValueError("--modes: +tiled-layer and +tiled-heads tile Llama blocks: give --model llama (a GPT's MLP "
                          "tiles with +tiled)")
+    if ns.head_groups is not None and (ns.head_groups < 1 or not any(base_mode(m)[1] == "heads" for m in modes)):
+        raise ValueError(f"--head-groups ({ns.head_groups}) is a positive int for the +tiled-heads modes")
     if ns.tile_tokens is not None and ns.tile_tokens < 1:
         raise ValueError(f"--tile-tokens must be a positive int, got {ns.tile_tokens}")
     if ns.kv_heads is not None and not llama:
@@ -183,7 +188,7 @@ def _max_seq(ns: argparse.Namespace) -> int:
     args = MaxSeqArgs(model=model, device=str(dev), dtype=ns.dtype or default_dtype(dev), batch=ns.batch or 1,
                       modes=modes, budget_bytes=ns.memory_budget if gpu else (ns.memory_budget or DEFAULT_BUDGET),
                       start=start, limit=ns.max_seq_limit, path=ns.path, progress=progress, pairs=ns.pairs,
-                      tile_tokens=ns.tile_tokens,
+                      tile_tokens=ns.tile_tokens, head_groups=ns.head_groups,
                       partial=None if not ns.json else lambda r: _outputs(ns, r, None, ""))
     from ssdtrain.bench.maxseq import run_max_seq
 

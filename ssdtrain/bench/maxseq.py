@@ -122,6 +122,7 @@ class MaxSeqArgs:
     path: str | None = None
     pairs: int = 2  # alternated rounds (recompute and each other recompute mode) at recompute's longest sequence
     tile_tokens: int | None = None  # the +tiled modes' MLP tile (positions); None: the hidden size (ALST's default)
+    head_groups: int | None = None  # the +tiled-heads modes' groups of query heads; None: one head a group
     bound: bool = True  # measure one block's bytes at recompute's longest, untiled and tiled, for the bound
     progress: Callable[[str], None] | None = None
     partial: Callable[[dict], None] | None = None  # given the probes so far after each one (a search cut off keeps them)
@@ -130,7 +131,8 @@ class MaxSeqArgs:
         """What a ``--json`` file says of the setup, before its probes."""
         return {"model": dataclasses.asdict(self.model), "arch": arch_of(self.model), "device": self.device,
                 "dtype": self.dtype, "batch": self.batch, "budget_bytes": self.budget_bytes,
-                "tile_tokens": self.tile_tokens or self.model.hidden}
+                "tile_tokens": self.tile_tokens or self.model.hidden,
+                "head_groups": self.head_groups or self.model.heads}
 
 
 def probe_in_child(spec: dict) -> dict:
@@ -159,7 +161,7 @@ def measure_blocks(args: MaxSeqArgs, seq: int, reps: int = 3) -> dict:
     heads = any(base_mode(m)[1] == "heads" for m in args.modes)
     spec = {"kind": "blocks", "model": dataclasses.asdict(args.model.replace(seq=seq)), "arch": arch_of(args.model),
             "device": args.device, "dtype": args.dtype, "batch": args.batch, "tile_tokens": args.tile_tokens,
-            "reps": reps, "layer": layer, "heads": heads}
+            "reps": reps, "layer": layer, "heads": heads, "head_groups": args.head_groups}
     r = probe_in_child(spec)
     if "block_bytes" not in r:
         return {"seq": seq, "error": r.get("error")}
@@ -206,7 +208,7 @@ def run_probe(args: MaxSeqArgs, mode: str, seq: int) -> dict:
     process: :func:`probe_in_child`); its result, with ``mode``."""
     spec = {"model": dataclasses.asdict(args.model.replace(seq=seq)), "arch": arch_of(args.model), "mode": mode,
             "device": args.device, "dtype": args.dtype, "batch": args.batch, "budget": args.budget_bytes,
-            "path": args.path, "tile_tokens": args.tile_tokens}
+            "path": args.path, "tile_tokens": args.tile_tokens, "head_groups": args.head_groups}
     return dict(probe_in_child(spec), mode=mode)
 
 

@@ -305,10 +305,17 @@ def rope_tables(seq: int, dim: int, theta: float, device, dtype, start: int = 0)
     """``cos``, ``sin`` of shape ``(seq, dim)`` for positions ``start`` to ``start + seq`` (each
     angle twice: the halves rotated together); the rows of positions ``[a, b)`` are the same
     numbers whether made alone or as part of a longer table."""
-    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+    inv = _inverse_frequencies(dim, theta, torch.device(device))
     ang = torch.outer(torch.arange(start, start + seq, device=device, dtype=torch.float32), inv)
     ang = torch.cat((ang, ang), dim=-1)
     return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+@functools.lru_cache(maxsize=16)
+def _inverse_frequencies(dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """RoPE's ``dim / 2`` frequencies (float32), made once per shape: a tiled layer asks for a
+    table a tile, a group and a pass at a time."""
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -464,7 +471,7 @@ def _grouped(block: LlamaBlock, pre_params: tuple, post_params: tuple, post, bou
     """The tiled block with attention ``groups`` groups of query heads at a time
     (:func:`ssdtrain.longctx.head_groups.grouped_layer`); a group's q/k/v from its rows of the
     weights, so its projections cost only its share."""
-    from ssdtrain.longctx.head_groups import grouped_layer, kernel_available
+    from ssdtrain.longctx.head_groups import group_tiles, grouped_layer, kernel_available
 
     attn = block.attn
     b, d = x.shape[0], attn.d
@@ -472,16 +479,19 @@ def _grouped(block: LlamaBlock, pre_params: tuple, post_params: tuple, post, bou
     hk = max(1, hq // rep)  # the key/value heads a group uses
 
     def part(lo: int, hi: int, g: int, xt: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        n, t = block.ln1(xt), hi - lo
-        k0 = g * hq // rep
-        q = F.linear(n, attn.q.weight[g * hq * d:(g + 1) * hq * d]).view(b, t, hq, d).transpose(1, 2)
-        k = F.linear(n, attn.k.weight[k0 * d:(k0 + hk) * d]).view(b, t, hk, d).transpose(1, 2)
-        v = F.linear(n, attn.v.weight[k0 * d:(k0 + hk) * d]).view(b, t, hk, d).transpose(1, 2)
+        # One product for the group's q, k and v rows, and RoPE once for q and k together: the
+        # part runs four times a tile and a group (forward, recomputation, q/k/v again, replay).
+        t, k0 = hi - lo, g * hq // rep
+        rows = torch.cat((attn.q.weight[g * hq * d:(g + 1) * hq * d], attn.k.weight[k0 * d:(k0 + hk) * d],
+                          attn.v.weight[k0 * d:(k0 + hk) * d]))
+        qkv = F.linear(block.ln1(xt), rows).view(b, t, hq + 2 * hk, d).transpose(1, 2)
         c, z = rope_tables(t, d, attn.theta, xt.device, xt.dtype, start=lo)
-        return apply_rope(q, c, z), apply_rope(k, c, z), v
+        qk = apply_rope(qkv[:, :hq + hk], c, z)
+        return qk[:, :hq], qk[:, hq:], qkv[:, hq + hk:]
 
     def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
     attend = None if kernel_available(x.device) else sdpa
-    return grouped_layer(part, post, (x,), pre_params, post_params, bounds, groups, attend=attend)
+    return grouped_layer(part, post, (x,), pre_params, post_params, bounds, groups, attn.kv, attend=attend,
+                         part_bounds=group_tiles(bounds, groups))

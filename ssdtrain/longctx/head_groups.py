@@ -43,7 +43,7 @@ from torch.autograd.function import once_differentiable
 
 from ssdtrain.longctx._tiles import GradSums, _forward_tiles, _keep_saves, _Replay
 
-__all__ = ["grouped_layer", "kernel_available"]
+__all__ = ["group_tiles", "grouped_layer", "kernel_available"]
 
 GroupPart = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 Post = Callable[..., tuple[torch.Tensor]]
@@ -55,9 +55,20 @@ def kernel_available(device: torch.device) -> bool:
     return device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward")
 
 
+def group_tiles(bounds: tuple[tuple[int, int], ...], groups: int) -> tuple[tuple[int, int], ...]:
+    """The part's tiles: ``groups`` of ``bounds``' tiles at a time. A group's q, k and v are a
+    ``groups``-th of the layer's, so its tile may be as many times longer for the same bytes (the
+    normed input's copy aside, which is a tiled MLP's tile's too); the part runs four times a tile
+    and a group (forward, the recomputation, q/k/v again in backward, the replay with a graph), and
+    on the CPU each call's own cost, not its arithmetic, set a small layer's step (2026-11-28: the
+    bench's CPU Llama, 4 groups at 2816 tokens, 0.98 s of CPU a step with the post's tiles, 0.80
+    with these)."""
+    return tuple((bounds[i][0], bounds[min(i + groups, len(bounds)) - 1][1]) for i in range(0, len(bounds), groups))
+
+
 def grouped_layer(part: GroupPart, post: Post, inputs: tuple[torch.Tensor, ...], pre_params: Iterable[torch.Tensor],
-                  post_params: Iterable[torch.Tensor], bounds: tuple[tuple[int, int], ...], groups: int, *,
-                  scale: float | None = None, attend: Attend | None = None,
+                  post_params: Iterable[torch.Tensor], bounds: tuple[tuple[int, int], ...], groups: int, kv_heads: int, *,
+                  scale: float | None = None, attend: Attend | None = None, part_bounds: tuple | None = None,
                   preserve_rng_state: bool = True) -> torch.Tensor:
     """A decoder layer: causal attention of ``groups`` groups of query heads, each group's q/k/v
     made by ``part`` from the inputs' tiles, then ``post`` a tile at a time on the layer's input and
@@ -72,7 +83,9 @@ def grouped_layer(part: GroupPart, post: Post, inputs: tuple[torch.Tensor, ...],
         inputs: ``part``'s tensor inputs, the sequence at dim ``-2``; the first is the layer's input.
         pre_params, post_params: the parameters ``part`` and ``post`` use that want gradients.
         bounds: the tiles (:func:`ssdtrain.longctx.tiled.tile_bounds`).
+        part_bounds: ``part``'s tiles (``None``: ``bounds``).
         groups: how many groups; every group has the same number of query heads.
+        kv_heads: the layer's key/value heads (group ``g``'s first is ``g x hq x kv_heads / heads``).
         scale: attention's scale (``None``: ``1/sqrt(head_dim)``).
         attend: ``None``: the kernel path (:func:`kernel_available` must hold); else
             ``attend(q, k, v) -> out``, ``(b, hq, s, d)``, the recompute path.
@@ -81,30 +94,52 @@ def grouped_layer(part: GroupPart, post: Post, inputs: tuple[torch.Tensor, ...],
     Returns the layer's output, shaped as ``inputs[0]``.
     """
     pre_params, post_params = tuple(pre_params), tuple(post_params)
+    bounds = (tuple(bounds), tuple(part_bounds or bounds))
     if attend is None and not kernel_available(inputs[0].device):
         raise ValueError(f"grouped_layer: no fused attention kernel with a backward on {inputs[0].device}; "
                          "give attend= (the recompute path)")
     if not isinstance(groups, int) or groups < 1:
         raise ValueError(f"grouped_layer: groups must be a positive int, got {groups!r}")
+    if not isinstance(kv_heads, int) or kv_heads < 1:
+        raise ValueError(f"grouped_layer: kv_heads must be a positive int, got {kv_heads!r}")
     wants = torch.is_grad_enabled() and (any(t.requires_grad for t in inputs) or pre_params or post_params)
     if not wants:
         with torch.no_grad():
-            y, _ = _attention(part, inputs, bounds, groups, scale, attend)
-            return _forward_tiles(post, (inputs[0], y), bounds)[0]
-    return _GroupedLayer.apply(part, post, bounds, groups, scale, attend, preserve_rng_state, len(inputs),
+            y, _ = _attention(part, inputs, bounds[1], groups, kv_heads, scale, attend)
+            return _forward_tiles(post, (inputs[0], y), bounds[0])[0]
+    return _GroupedLayer.apply(part, post, bounds, groups, kv_heads, scale, attend, preserve_rng_state, len(inputs),
                                len(pre_params), *inputs, *pre_params, *post_params)
 
 
-def _repeat(kv: torch.Tensor, hq: int) -> torch.Tensor:
-    """Each key/value head once for each of its query heads (within the group)."""
-    rep = hq // kv.shape[1]
-    return kv if rep == 1 else kv.repeat_interleave(rep, dim=1)
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU flash kernel over ``q`` (``b, hq, s, d``) and its key/value heads (``b, hk, s, d``):
+    each key/value head's query heads as the heads of one batch entry, the key head expanded (a
+    view): no copy of k or v."""
+    b, hq, s, d = q.shape
+    qb, kb, vb = _batched(q, k, v)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qb, kb, vb, 0.0, True, scale=scale)
+    return out.reshape(b, hq, s, d), lse.reshape(b, hq, s)
 
 
-def _fold(grad: torch.Tensor, hk: int) -> torch.Tensor:
-    """A repeated key/value head's gradient summed over its query heads."""
-    b, hq, s, d = grad.shape
-    return grad if hq == hk else grad.view(b, hk, hq // hk, s, d).sum(2)
+def _flash_backward(dy: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's own backward for :func:`_flash`; a key/value head's gradient summed over its
+    query heads."""
+    b, hq, s, d = q.shape
+    hk = k.shape[1]
+    qb, kb, vb = _batched(q, k, v)
+    rows = (b * hk, hq // hk)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dy.reshape(*rows, s, d), qb, kb, vb, out.reshape(*rows, s, d), lse.reshape(*rows, s), 0.0, True, scale=scale)
+    return dq.reshape(b, hq, s, d), dk.sum(1).reshape(b, hk, s, d), dv.sum(1).reshape(b, hk, s, d)
+
+
+def _batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    b, hq, s, d = q.shape
+    hk = k.shape[1]
+    rep = hq // hk
+    return (q.reshape(b * hk, rep, s, d), k.reshape(b * hk, 1, s, d).expand(-1, rep, -1, -1),
+            v.reshape(b * hk, 1, s, d).expand(-1, rep, -1, -1))
 
 
 def _group_qkv(part: GroupPart, inputs: tuple, bounds: tuple, g: int) -> tuple[torch.Tensor, ...]:
@@ -115,27 +150,33 @@ def _at_group(part: GroupPart, g: int, a: int, b: int, *tiles: torch.Tensor) -> 
     return part(a, b, g, *tiles)
 
 
-def _attention(part: GroupPart, inputs: tuple, bounds: tuple, groups: int, scale: float | None,
+def _attention(part: GroupPart, inputs: tuple, bounds: tuple, groups: int, kv_heads: int, scale: float | None,
                attend: Attend | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Every group's output in one tensor, and (kernel path) its log-sum-exp."""
-    out = lse = None
+    """Attention's output over every head (and, kernel path, its log-sum-exp), in one call.
+
+    Note [forward takes every head at once]: a forward holds much less than the backward after it
+    (no gradients), so the forward, and the checkpoint's recomputation of it, assemble every
+    group's q, k and v whole and run attention once over all heads: a kernel call per group cost
+    the bench's CPU Llama more than the heads' arithmetic (2026-11-28, 2 threads, 2816 tokens: a
+    head's forward 3.8 ms, four heads' 11.9). q, k and v are the groups' own (``part`` per group),
+    so backward's, made again a group at a time, are the same numbers; the kernel computes each
+    head apart, so each head's output and log-sum-exp are those of a call over its group alone."""
+    q = k = v = None
     for g in range(groups):
-        q, k, v = _group_qkv(part, inputs, bounds, g)
-        hq = q.shape[1]
-        if attend is None:
-            y, m = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q, _repeat(k, hq), _repeat(v, hq), 0.0, True, scale=scale)
-        else:
-            y, m = attend(q, k, v), None
-        if out is None:
-            b, _, s, d = y.shape
-            out = y.new_empty((b, s, hq * groups, d)).transpose(1, 2)  # (b, heads, s, d), heads beside d
-            lse = None if m is None else m.new_empty((b, hq * groups, s))
-        out[:, g * hq:(g + 1) * hq].copy_(y)
-        if m is not None:
-            lse[:, g * hq:(g + 1) * hq].copy_(m)
-        del q, k, v, y, m
-    return out, lse
+        qg, kg, vg = _group_qkv(part, inputs, bounds, g)
+        hq, hk = qg.shape[1], kg.shape[1]
+        if q is None:
+            b, _, s, d = qg.shape
+            q = qg.new_empty((b, hq * groups, s, d))
+            k, v = kg.new_empty((b, kv_heads, s, d)), vg.new_empty((b, kv_heads, s, d))
+        k0 = g * hq * kv_heads // q.shape[1]  # the group's first key/value head
+        q[:, g * hq:(g + 1) * hq].copy_(qg)
+        k[:, k0:k0 + hk].copy_(kg)
+        v[:, k0:k0 + hk].copy_(vg)
+        del qg, kg, vg
+    if attend is not None:
+        return attend(q, k, v), None
+    return _flash(q, k, v, scale)
 
 
 class _GroupedLayer(torch.autograd.Function):
@@ -147,23 +188,24 @@ class _GroupedLayer(torch.autograd.Function):
     gradient is one tensor, not one per branch summed after."""
 
     @staticmethod
-    def forward(ctx: Any, part: GroupPart, post: Post, bounds: tuple, groups: int, scale: float | None,
-                attend: Attend | None, preserve_rng_state: bool, n_inputs: int, n_pre: int,
+    def forward(ctx: Any, part: GroupPart, post: Post, bounds: tuple, groups: int, kv_heads: int,
+                scale: float | None, attend: Attend | None, preserve_rng_state: bool, n_inputs: int, n_pre: int,
                 *tensors: torch.Tensor) -> torch.Tensor:
         inputs = tensors[:n_inputs]
-        ctx.part, ctx.post, ctx.bounds, ctx.groups, ctx.scale, ctx.attend = part, post, bounds, groups, scale, attend
+        ctx.part, ctx.post, ctx.groups, ctx.scale, ctx.attend = part, post, groups, scale, attend
+        ctx.bounds, ctx.part_bounds = bounds
         ctx.n_inputs, ctx.n_pre = n_inputs, n_pre
         ctx.params = tensors[n_inputs:]  # alive anyway, never activations
         ctx.replay = _Replay(inputs[0].device, preserve_rng_state)
-        y, lse = _attention(part, inputs, bounds, groups, scale, attend)
-        (z,) = _forward_tiles(post, (inputs[0], y), bounds)
+        y, lse = _attention(part, inputs, ctx.part_bounds, groups, kv_heads, scale, attend)
+        (z,) = _forward_tiles(post, (inputs[0], y), ctx.bounds)
         ctx.save_for_backward(*inputs, y, *(() if lse is None else (lse,)))
         return z
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_z: torch.Tensor) -> tuple:
-        n, saved, skip = ctx.n_inputs, ctx.saved_tensors, 9
+        n, saved, skip = ctx.n_inputs, ctx.saved_tensors, 10
         inputs, y = saved[:n], saved[n]
         lse = saved[n + 1] if ctx.attend is None else None
         want_in = [i for i in range(n) if ctx.needs_input_grad[skip + i]]
@@ -219,14 +261,11 @@ def _attention_backward(ctx: Any, g: int, inputs: tuple, y: torch.Tensor, lse: t
                         dy: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Group ``g``'s q, k and v made again (without a graph) and attention's gradients of them."""
     with torch.no_grad(), ctx.replay.autocast():
-        q, k, v = _group_qkv(ctx.part, inputs, ctx.bounds, g)
-    hq, hk = q.shape[1], k.shape[1]
+        q, k, v = _group_qkv(ctx.part, inputs, ctx.part_bounds, g)
+    hq = q.shape[1]
     rows = slice(g * hq, (g + 1) * hq)
     if ctx.attend is None:
-        kr, vr = _repeat(k, hq), _repeat(v, hq)
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dy[:, rows].contiguous(), q, kr, vr, y[:, rows], lse[:, rows], 0.0, True, scale=ctx.scale)
-        return dq, _fold(dk, hk), _fold(dv, hk)
+        return _flash_backward(dy[:, rows], q, k, v, y[:, rows], lse[:, rows], ctx.scale)
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
     with torch.enable_grad(), _keep_saves():
         with ctx.replay.autocast():
@@ -239,7 +278,7 @@ def _replay_part(ctx: Any, g: int, inputs: tuple, grads: tuple, want_in: list[in
     """Group ``g``'s part again, a tile at a time with a graph, its q/k/v gradients carried back:
     the inputs' gradients added into ``grad_in``, the parameters' into ``sums``."""
     with torch.enable_grad(), _keep_saves():
-        for a, b in ctx.bounds:
+        for a, b in ctx.part_bounds:
             tiles = [t.narrow(-2, a, b - a).detach().requires_grad_(i in want_in) for i, t in enumerate(inputs)]
             with ctx.replay.autocast():
                 ys = ctx.part(a, b, g, *(t.view_as(t) if t.requires_grad else t for t in tiles))

@@ -159,7 +159,7 @@ def _grouped_forward(layer: nn.Module, module: Any, function: Any, groups: int, 
                      dropout: float, extra: dict, post: Any, pre_params: tuple, post_params: tuple,
                      bounds: tuple) -> torch.Tensor:
     """The layer with attention ``groups`` groups of query heads at a time (module docstring)."""
-    from ssdtrain.longctx.head_groups import grouped_layer, kernel_available
+    from ssdtrain.longctx.head_groups import group_tiles, grouped_layer, kernel_available
 
     attn = layer.self_attn
     b, d = inputs[0].shape[0], attn.head_dim
@@ -180,15 +180,14 @@ def _grouped_forward(layer: nn.Module, module: Any, function: Any, groups: int, 
         q, k = module.apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), ct, st)
         return q, k, v
 
-    seen = attn if hq >= rep else _OneKeyHeadEach(attn)
-
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if hq < rep:
-            k, v = k.expand(-1, hq, -1, -1), v.expand(-1, hq, -1, -1)
+        seen = attn
+        if q.shape[1] < rep:  # a group smaller than a key/value head's queries: k and v repeated here
+            k, v, seen = k.expand(-1, q.shape[1], -1, -1), v.expand(-1, q.shape[1], -1, -1), _OneKeyHeadEach(attn)
         y, _ = function(seen, q, k, v, mask, dropout=dropout, scaling=attn.scaling, **extra)
         return y.transpose(1, 2)  # (batch, heads, seq, head_dim)
 
     kernel = (kernel_available(inputs[0].device) and attn.config._attn_implementation == "sdpa" and mask is None
               and dropout == 0.0 and extra.get("sliding_window") is None)
-    return grouped_layer(part, post, inputs, pre_params, post_params, bounds, groups, scale=attn.scaling,
-                         attend=None if kernel else attend)
+    return grouped_layer(part, post, inputs, pre_params, post_params, bounds, groups, kv, scale=attn.scaling,
+                         attend=None if kernel else attend, part_bounds=group_tiles(bounds, groups))

@@ -35,13 +35,16 @@ def _step(model, tokens, off=None):
     return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
 
 
+@pytest.mark.parametrize("groups", [None, 8, 2], ids=["attention-whole", "a-head-a-time", "a-kv-head-a-time"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_tiled_layers_with_the_tier_are_exact(dtype, tmp_path, deterministic):
+def test_tiled_layers_with_the_tier_are_exact(dtype, groups, tmp_path, deterministic):
+    """``groups``: attention a group of query heads at a time (ssdtrain.longctx.head_groups; on CUDA
+    its recompute path: each group's SDPA run again in backward)."""
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab=1024, seq=2048, layers=4, hidden=256, heads=8, loss_chunk=512)
     plain = Llama(cfg, recompute=True).to(CUDA, dtype)
     model = copy.deepcopy(plain)
-    tile_layers(model, 512)
+    tile_layers(model, 512, head_groups=groups)
     tokens = torch.randint(0, 1024, (2, 2048), device=CUDA)
     want = _step(model, tokens)
     assert all(torch.equal(a, b) for a, b in zip(want, _step(model, tokens))), "not deterministic without ssdtrain"
@@ -57,5 +60,5 @@ def test_tiled_layers_with_the_tier_are_exact(dtype, tmp_path, deterministic):
     base = _step(plain, tokens)
     worst = max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
                 for a, b in zip(want[1:], base[1:]))
-    print(f"{dtype}: largest relative gradient difference against the untiled model {worst:.2e}")
+    print(f"{dtype}, groups {groups}: largest relative gradient difference against the untiled model {worst:.2e}")
     assert worst < (1e-5 if dtype == torch.float32 else 5e-2)
