@@ -16,6 +16,7 @@ import ssdtrain.longctx.head_groups as HG
 from ssdtrain.bench.models import Llama, LlamaConfig, tile_layers
 from ssdtrain.longctx.head_groups import grouped_layer
 from ssdtrain.longctx.tiled import tile_bounds
+from tests.test_tiled_layer import _step
 
 WEIGHT_REL = 5e-6  # sums over tiles and over groups, in another order than one call's (test_tiled_layer's)
 CLASSES = {"norm": ("ln1", "ln2", "ln_f"), "attention": (".attn.",), "mlp": (".mlp.",), "embedding": ("tok_emb",),
@@ -26,18 +27,6 @@ def _model(kv: int = 1, seed: int = 0) -> Llama:
     torch.manual_seed(seed)
     return Llama(LlamaConfig(vocab=256, seq=384, layers=3, hidden=64, heads=4, kv_heads=kv, loss_chunk=128),
                  recompute=True)
-
-
-def _step(model, tokens, off=None):
-    model.zero_grad(set_to_none=True)
-    if off is None:
-        loss = model(tokens, tokens)
-    else:
-        with off:
-            loss = model(tokens, tokens)
-            off.wait()
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -153,6 +142,7 @@ def test_refusals():
 
 transformers = pytest.importorskip("transformers")
 from ssdtrain.longctx.hf import long_context  # noqa: E402
+from tests.test_longctx_hf import _step as hf_step  # noqa: E402
 
 HF = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
       "mistral": ("MistralConfig", "MistralForCausalLM")}
@@ -173,15 +163,8 @@ def _hf_step(model, off=None):
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
     labels = ids.clone()
     labels[:, :10] = -100
-    model.zero_grad(set_to_none=True)
-    if off is None:
-        out = model(input_ids=ids, labels=labels)
-    else:
-        with off:
-            out = model(input_ids=ids, labels=labels)
-            off.wait()
-    out.loss.backward()
-    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    out, grads = hf_step(model, (ids, labels), off)
+    return out.loss.detach(), grads
 
 
 @pytest.mark.parametrize("kind,impl,groups", [("llama", "sdpa", None), ("llama", "eager", 2), ("qwen3", "sdpa", 1),

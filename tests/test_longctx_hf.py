@@ -60,7 +60,7 @@ def _step(model, batch, off=None):
             out = model(input_ids=ids, labels=labels)
             off.wait()  # every write lands before backward: backward reads every save back
     out.loss.backward()
-    return out, {n: p.grad.clone() for n, p in model.named_parameters()}
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
