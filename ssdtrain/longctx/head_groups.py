@@ -56,13 +56,15 @@ def kernel_available(device: torch.device) -> bool:
 
 
 def group_tiles(bounds: tuple[tuple[int, int], ...], groups: int) -> tuple[tuple[int, int], ...]:
-    """The part's tiles: ``groups`` of ``bounds``' tiles at a time. A group's q, k and v are a
-    ``groups``-th of the layer's, so its tile may be as many times longer for the same bytes (the
-    normed input's copy aside, which is a tiled MLP's tile's too); the part runs four times a tile
-    and a group (forward, the recomputation, q/k/v again in backward, the replay with a graph), and
-    on the CPU each call's own cost, not its arithmetic, set a small layer's step (2026-11-28: the
-    bench's CPU Llama, 4 groups at 2816 tokens, 0.98 s of CPU a step with the post's tiles, 0.80
-    with these)."""
+    """The tiles of the part's passes without a graph (the forward, the checkpoint's recomputation,
+    and each group's q/k/v made again in backward): ``groups`` of ``bounds``' tiles at a time. A
+    group's q, k and v are a ``groups``-th of the layer's, and a pass without a graph keeps nothing
+    of a tile but its outputs, so longer tiles cost little memory and fewer calls: on the CPU each
+    call's own cost, not its arithmetic, set a small layer's step (2026-11-28: the bench's CPU
+    Llama, 4 groups at 2816 tokens, 0.98 s of CPU a step with the post's tiles, 0.80 with these
+    for every pass). The replay with a graph keeps ``bounds``' tiles: it runs while a group's
+    gradients exist, the layer's peak, where a tile's graph (the normed input, q/k/v and their
+    gradients) adds to it (0.9 MiB at 4096 tokens with tiles 4 times as long)."""
     return tuple((bounds[i][0], bounds[min(i + groups, len(bounds)) - 1][1]) for i in range(0, len(bounds), groups))
 
 
@@ -83,7 +85,8 @@ def grouped_layer(part: GroupPart, post: Post, inputs: tuple[torch.Tensor, ...],
         inputs: ``part``'s tensor inputs, the sequence at dim ``-2``; the first is the layer's input.
         pre_params, post_params: the parameters ``part`` and ``post`` use that want gradients.
         bounds: the tiles (:func:`ssdtrain.longctx.tiled.tile_bounds`).
-        part_bounds: ``part``'s tiles (``None``: ``bounds``).
+        part_bounds: the tiles of ``part``'s passes without a graph (``None``: ``bounds``;
+            :func:`group_tiles`); its replay with a graph takes ``bounds``.
         groups: how many groups; every group has the same number of query heads.
         kv_heads: the layer's key/value heads (group ``g``'s first is ``g x hq x kv_heads / heads``).
         scale: attention's scale (``None``: ``1/sqrt(head_dim)``).
@@ -278,7 +281,7 @@ def _replay_part(ctx: Any, g: int, inputs: tuple, grads: tuple, want_in: list[in
     """Group ``g``'s part again, a tile at a time with a graph, its q/k/v gradients carried back:
     the inputs' gradients added into ``grad_in``, the parameters' into ``sums``."""
     with torch.enable_grad(), _keep_saves():
-        for a, b in ctx.part_bounds:
+        for a, b in ctx.bounds:
             tiles = [t.narrow(-2, a, b - a).detach().requires_grad_(i in want_in) for i, t in enumerate(inputs)]
             with ctx.replay.autocast():
                 ys = ctx.part(a, b, g, *(t.view_as(t) if t.requires_grad else t for t in tiles))

@@ -186,7 +186,7 @@ def layer_heads_moments(inp, micro_batch: int = 1) -> dict[str, int]:
       repeated k and v (``3dhq``) and of k and v folded (``2dkvg``), the group's rows of ``y``'s
       gradient copied dense (``dhq``) and the fp32 dq accumulator (``4hq``): ``d(7hq + 4kvg) + 4hq``
       a token, and one tile of the part replayed (the normed copy, q, k, v and their gradients,
-      ``2d(h + hq + 2kvg)``), whose tiles are ``G`` of the others (``head_groups.group_tiles``).
+      ``2d(h + hq + 2kvg)``).
 
     For Llama-3.1-8B in bf16: 51,404 bytes a token at ``attention`` with ``G = 8``, 44,492 with
     ``G = 32`` (a head at a time), against 73,984 with the layer tiled and attention whole."""
@@ -198,7 +198,7 @@ def layer_heads_moments(inp, micro_batch: int = 1) -> dict[str, int]:
     whole = sb * (5 * d * h + 4 * a)
     return {
         "post": whole + tb * (d * (3 * h + 7 * f) + 4),
-        "attention": whole + sb * (d * (7 * hq + 4 * kvg) + 4 * hq) + min(sb, tb * groups) * 2 * d * (h + hq + 2 * kvg),
+        "attention": whole + sb * (d * (7 * hq + 4 * kvg) + 4 * hq) + tb * 2 * d * (h + hq + 2 * kvg),
     }
 
 
