@@ -128,6 +128,44 @@ def test_grouped_layer_gradcheck(attend):
     assert torch.autograd.gradcheck(f, (x, wq, wk, wv, wo))
 
 
+def test_attention_dropout_draws_the_same_masks_in_backward():
+    """The recompute path with dropout in attention (``random=True``): the forward runs attention a
+    group at a time and backward replays the RNG, so the gradients are those of plain autograd
+    over the same computation drawing the same masks (a mismatch would be off by far more than
+    1e-9), and dropout did act (the output differs from the one without it)."""
+    torch.manual_seed(0)
+    b, s, h, heads, kv, d, groups = 1, 16, 8, 4, 2, 2, 4
+    wq, wk, wv = (torch.randn(n * d, h, dtype=torch.double, requires_grad=True) for n in (heads, kv, kv))
+    hq, rep = heads // groups, heads // kv
+
+    def part(lo, hi, g, xt):
+        t, k0 = hi - lo, g * hq // rep
+        q = torch.nn.functional.linear(xt, wq[g * hq * d:(g + 1) * hq * d]).view(b, t, hq, d).transpose(1, 2)
+        k = torch.nn.functional.linear(xt, wk[k0 * d:(k0 + 1) * d]).view(b, t, 1, d).transpose(1, 2)
+        v = torch.nn.functional.linear(xt, wv[k0 * d:(k0 + 1) * d]).view(b, t, 1, d).transpose(1, 2)
+        return q, k, v
+
+    def post(lo, hi, xt, yt):
+        return (xt + yt.transpose(1, 2).reshape(b, hi - lo, -1).tanh(),)
+
+    def attend(q, k, v, p=0.5):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=True)
+
+    x = torch.randn(b, s, h, dtype=torch.double, requires_grad=True)
+    bounds = tile_bounds(s, tile_tokens=5)
+    torch.manual_seed(3)
+    z = grouped_layer(part, post, (x,), (wq, wk, wv), (), bounds, groups, kv, attend=attend, random=True)
+    got = torch.autograd.grad(z.square().sum(), (x, wq, wk, wv))
+    torch.manual_seed(3)
+    ys = [attend(*part(0, s, g, x)) for g in range(groups)]
+    ref = post(0, s, x, torch.cat(ys, 1))[0]
+    want = torch.autograd.grad(ref.square().sum(), (x, wq, wk, wv))
+    assert torch.allclose(z, ref, rtol=0, atol=1e-12)
+    assert all(torch.allclose(a, c, rtol=0, atol=1e-9) for a, c in zip(got, want))
+    quiet = post(0, s, x, torch.cat([attend(*part(0, s, g, x), p=0.0) for g in range(groups)], 1))[0]
+    assert not torch.allclose(quiet, ref)
+
+
 def test_refusals():
     model = _model(1)
     with pytest.raises(ValueError, match="head_groups must divide the 4 query heads"):

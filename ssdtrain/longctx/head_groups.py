@@ -1,32 +1,34 @@
-"""Causal attention a group of query heads at a time, fed by a position-wise part run in sequence
-tiles: what is left whole of a tiled layer (:mod:`ssdtrain.longctx.tiled_layer`) once its
-position-wise parts are tiled is q, k, v, the attention output and their gradients. Heads are
-independent, so :func:`grouped_attention` makes q, k and v of one group of heads at a time (from
-the layer's input, a tile at a time), attends, and keeps only that group's output: q, k, v and
-their gradients exist for one group at a time, forward and backward. What it keeps for backward is
-the layer's input, the attention output and attention's log-sum-exp (fp32, one number a head a
-position); backward makes each group's q, k and v again (a tile at a time, without a graph),
-takes attention's gradients with the fused kernel's own backward (no second attention forward),
-then replays the part a tile at a time with a graph to carry them to the input and the parameters.
+"""A decoder layer tiled whole with attention a group of query heads at a time: what is left whole
+of a tiled layer (:mod:`ssdtrain.longctx.tiled_layer`) once its position-wise parts are tiled is q,
+k, v, the attention output and their gradients, at attention's backward, the recomputed layer's
+peak. Heads are independent, so :func:`grouped_layer` takes attention's gradients one group of
+query heads at a time: backward makes the group's q, k and v again (from the layer's input, a
+tile at a time, without a graph), takes attention's gradients of them, and replays the part a tile
+at a time with a graph to carry them to the input and the parameters. The layer is one autograd
+Function: of the whole sequence it keeps the layer's input, attention's output and its fp32
+log-sum-exp; in backward the gradients of the layer's output, of its input (one buffer both
+branches add into) and of attention's output; q, k, v and their gradients exist one group at a
+time. The forward, which holds no gradients, takes every head at once (Note [forward takes every
+head at once]).
 
-Under grouped-query attention a group of query heads uses the key/value heads it shares; the part
-returns them for the group (``(b, hq, t, d)`` queries, ``(b, hk, t, d)`` keys and values, ``hq`` a
-multiple of ``hk``), and each key/value head is repeated for its query heads inside the group only.
+``part(a, b, g, *input_tiles)`` returns group ``g``'s q (``(b, hq, t, d)``) and the key/value heads
+its query heads use (``(b, hk, t, d)``, ``hq`` a multiple of ``hk``, or one key/value head shared
+by a group smaller than its query heads).
 
 Two ways to take attention's gradients:
 
 * **kernel** (the default where it exists: the CPU's fused flash kernel,
   ``aten._scaled_dot_product_flash_attention_for_cpu``, which SDPA itself picks for a causal
-  attention without a mask on the CPU): the forward's output and log-sum-exp are saved and the
-  kernel's backward runs per group. Each head's output and its q gradient are bitwise those of
-  SDPA over all heads at once (the kernel computes heads apart); k's and v's gradients under
+  attention without a mask on the CPU): the kernel's own backward, from the saved output and
+  log-sum-exp (no attention forward again). Each head's output and its q gradient are bitwise those
+  of SDPA over all heads at once (the kernel computes heads apart); k's and v's gradients under
   grouped-query attention are summed over a group's heads and then over groups, so they differ
   from one SDPA call in the last bits, as the o-projection's and the input's sums over groups do.
 * **recompute** (``attend`` given: any attention function, any device, a mask, a sliding window,
-  dropout): the output is not saved; backward runs each group's attention forward again with a
-  graph (one attention forward more a step) and takes its gradients from autograd. Dropout draws
-  the same masks in backward as in forward (the RNG state is replayed and the groups run in the
-  same order).
+  dropout): backward runs each group's attention forward again with a graph (one attention forward
+  more a step) and takes its gradients from autograd. With dropout (``random=True``) the forward
+  runs attention a group at a time too, and backward replays the forward's RNG state so that each
+  group draws the same masks; ``post`` is replayed under the RNG state it ran under.
 
 Exactness against the untiled layer, autocast and RNG replay, parameters as inputs of the Function
 (one gradient a backward, 16-bit ones summed in float32): as :mod:`ssdtrain.longctx.tiled`.
@@ -71,7 +73,7 @@ def group_tiles(bounds: tuple[tuple[int, int], ...], groups: int) -> tuple[tuple
 def grouped_layer(part: GroupPart, post: Post, inputs: tuple[torch.Tensor, ...], pre_params: Iterable[torch.Tensor],
                   post_params: Iterable[torch.Tensor], bounds: tuple[tuple[int, int], ...], groups: int, kv_heads: int, *,
                   scale: float | None = None, attend: Attend | None = None, part_bounds: tuple | None = None,
-                  preserve_rng_state: bool = True) -> torch.Tensor:
+                  random: bool = False, preserve_rng_state: bool = True) -> torch.Tensor:
     """A decoder layer: causal attention of ``groups`` groups of query heads, each group's q/k/v
     made by ``part`` from the inputs' tiles, then ``post`` a tile at a time on the layer's input and
     attention's output.
@@ -92,6 +94,8 @@ def grouped_layer(part: GroupPart, post: Post, inputs: tuple[torch.Tensor, ...],
         scale: attention's scale (``None``: ``1/sqrt(head_dim)``).
         attend: ``None``: the kernel path (:func:`kernel_available` must hold); else
             ``attend(q, k, v) -> out``, ``(b, hq, s, d)``, the recompute path.
+        random: ``attend`` draws random numbers (attention dropout): the forward runs it a group
+            at a time, in backward's order (Note [forward takes every head at once]).
         preserve_rng_state: replay the forward's RNG state in backward.
 
     Returns the layer's output, shaped as ``inputs[0]``.
@@ -108,10 +112,10 @@ def grouped_layer(part: GroupPart, post: Post, inputs: tuple[torch.Tensor, ...],
     wants = torch.is_grad_enabled() and (any(t.requires_grad for t in inputs) or pre_params or post_params)
     if not wants:
         with torch.no_grad():
-            y, _ = _attention(part, inputs, bounds[1], groups, kv_heads, scale, attend)
+            y, _ = _attention(part, inputs, bounds[1], groups, kv_heads, scale, attend, random)
             return _forward_tiles(post, (inputs[0], y), bounds[0])[0]
-    return _GroupedLayer.apply(part, post, bounds, groups, kv_heads, scale, attend, preserve_rng_state, len(inputs),
-                               len(pre_params), *inputs, *pre_params, *post_params)
+    return _GroupedLayer.apply(part, post, bounds, groups, kv_heads, scale, attend, random, preserve_rng_state,
+                               len(inputs), len(pre_params), *inputs, *pre_params, *post_params)
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,7 +158,7 @@ def _at_group(part: GroupPart, g: int, a: int, b: int, *tiles: torch.Tensor) -> 
 
 
 def _attention(part: GroupPart, inputs: tuple, bounds: tuple, groups: int, kv_heads: int, scale: float | None,
-               attend: Attend | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+               attend: Attend | None, per_group: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention's output over every head (and, kernel path, its log-sum-exp), in one call.
 
     Note [forward takes every head at once]: a forward holds much less than the backward after it
@@ -163,7 +167,9 @@ def _attention(part: GroupPart, inputs: tuple, bounds: tuple, groups: int, kv_he
     the bench's CPU Llama more than the heads' arithmetic (2026-11-28, 2 threads, 2816 tokens: a
     head's forward 3.8 ms, four heads' 11.9). q, k and v are the groups' own (``part`` per group),
     so backward's, made again a group at a time, are the same numbers; the kernel computes each
-    head apart, so each head's output and log-sum-exp are those of a call over its group alone."""
+    head apart, so each head's output and log-sum-exp are those of a call over its group alone.
+    ``per_group`` (an ``attend`` that draws random numbers: attention dropout): attention a group
+    at a time, in the order backward runs them again, so that each group draws the same masks."""
     q = k = v = None
     for g in range(groups):
         qg, kg, vg = _group_qkv(part, inputs, bounds, g)
@@ -177,9 +183,21 @@ def _attention(part: GroupPart, inputs: tuple, bounds: tuple, groups: int, kv_he
         k[:, k0:k0 + hk].copy_(kg)
         v[:, k0:k0 + hk].copy_(vg)
         del qg, kg, vg
-    if attend is not None:
+    if attend is None:
+        return _flash(q, k, v, scale)
+    if not per_group:
         return attend(q, k, v), None
-    return _flash(q, k, v, scale)
+    out = None  # attention with dropout: a group at a time, as backward draws its masks again
+    for g in range(groups):
+        hq = q.shape[1] // groups
+        k0 = g * hq * kv_heads // q.shape[1]
+        hk = max(1, hq * kv_heads // q.shape[1])
+        y = attend(q[:, g * hq:(g + 1) * hq], k[:, k0:k0 + hk], v[:, k0:k0 + hk])
+        if out is None:
+            out = y.new_empty((y.shape[0], q.shape[1], *y.shape[2:]))
+        out[:, g * hq:(g + 1) * hq].copy_(y)
+        del y
+    return out, None
 
 
 class _GroupedLayer(torch.autograd.Function):
@@ -192,7 +210,8 @@ class _GroupedLayer(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, part: GroupPart, post: Post, bounds: tuple, groups: int, kv_heads: int,
-                scale: float | None, attend: Attend | None, preserve_rng_state: bool, n_inputs: int, n_pre: int,
+                scale: float | None, attend: Attend | None, random: bool, preserve_rng_state: bool, n_inputs: int,
+                n_pre: int,
                 *tensors: torch.Tensor) -> torch.Tensor:
         inputs = tensors[:n_inputs]
         ctx.part, ctx.post, ctx.groups, ctx.scale, ctx.attend = part, post, groups, scale, attend
@@ -200,7 +219,8 @@ class _GroupedLayer(torch.autograd.Function):
         ctx.n_inputs, ctx.n_pre = n_inputs, n_pre
         ctx.params = tensors[n_inputs:]  # alive anyway, never activations
         ctx.replay = _Replay(inputs[0].device, preserve_rng_state)
-        y, lse = _attention(part, inputs, ctx.part_bounds, groups, kv_heads, scale, attend)
+        y, lse = _attention(part, inputs, ctx.part_bounds, groups, kv_heads, scale, attend, random)
+        ctx.replay_post = _Replay(inputs[0].device, preserve_rng_state)  # post's own RNG state
         (z,) = _forward_tiles(post, (inputs[0], y), ctx.bounds)
         ctx.save_for_backward(*inputs, y, *(() if lse is None else (lse,)))
         return z
@@ -208,7 +228,7 @@ class _GroupedLayer(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_z: torch.Tensor) -> tuple:
-        n, saved, skip = ctx.n_inputs, ctx.saved_tensors, 10
+        n, saved, skip = ctx.n_inputs, ctx.saved_tensors, 11
         inputs, y = saved[:n], saved[n]
         lse = saved[n + 1] if ctx.attend is None else None
         want_in = [i for i in range(n) if ctx.needs_input_grad[skip + i]]
@@ -217,9 +237,9 @@ class _GroupedLayer(torch.autograd.Function):
         post_want = [i for i in want_p if i >= ctx.n_pre]
         grad_in: list[torch.Tensor | None] = [torch.zeros_like(inputs[i]) if i in want_in else None for i in range(n)]
         pre_sums, post_sums = GradSums(len(pre_want)), GradSums(len(post_want))
-        replay = ctx.replay
-        with replay.rng():
+        with ctx.replay_post.rng():
             dy = _post_backward(ctx, inputs[0], y, grad_z, grad_in[0], [ctx.params[i] for i in post_want], post_sums)
+        with ctx.replay.rng():
             for g in range(ctx.groups):
                 grads = _attention_backward(ctx, g, inputs, y, lse, dy)
                 _replay_part(ctx, g, inputs, grads, want_in, [ctx.params[i] for i in pre_want], grad_in, pre_sums)

@@ -190,4 +190,4 @@ def _grouped_forward(layer: nn.Module, module: Any, function: Any, groups: int, 
     kernel = (kernel_available(inputs[0].device) and attn.config._attn_implementation == "sdpa" and mask is None
               and dropout == 0.0 and extra.get("sliding_window") is None)
     return grouped_layer(part, post, inputs, pre_params, post_params, bounds, groups, kv, scale=attn.scaling,
-                         attend=None if kernel else attend, part_bounds=group_tiles(bounds, groups))
+                         attend=None if kernel else attend, part_bounds=group_tiles(bounds, groups), random=dropout > 0)
