@@ -93,6 +93,28 @@ def test_llama_max_seq_smoke(tmp_path, capsys):
     assert "of the bound" in text
 
 
+def test_head_groups_mode_smoke(tmp_path, capsys):
+    """``+tiled-heads`` in the real child (attention in 2 groups of query heads): its row, the
+    headline mode, its block's bytes and bound, and the groups named in the table's header."""
+    out = tmp_path / "max.json"
+    rc = bench_main(["--max-seq", "--device", "cpu", "--model", "llama", "--layers", "2", "--hidden", "32",
+                     "--heads", "4", "--vocab", "64", "--start-seq", "64", "--max-seq-limit", "128",
+                     "--memory-budget", "8GiB", "--tile-tokens", "16", "--pairs", "1", "--head-groups", "2",
+                     "--modes", "recompute,recompute+offload+tiled-heads", "--path", str(tmp_path / "nvme"),
+                     "--no-progress", "--json", str(out)])
+    assert rc == 0
+    assert "+tiled-heads: attention in 2 groups of query heads" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["head_groups"] == 2 and [r["max_seq"] for r in data["max_seq"]] == [128, 128]
+    assert data["vs_recompute"]["mode"] == "recompute+offload+tiled-heads"
+    blocks = data["blocks"]
+    assert 0 < blocks["block_heads_bytes"] < blocks["block_bytes"]
+    assert blocks["bound_heads"] == pytest.approx((2 * blocks["input_bytes"] + blocks["block_bytes"])
+                                                  / blocks["block_heads_bytes"])
+    assert bench_main(["--max-seq", "--device", "cpu", "--model", "llama", "--head-groups", "2"]) == 2
+    assert "--head-groups (2) is a positive int for the +tiled-heads modes" in capsys.readouterr().err
+
+
 def test_tiled_modes_search_longer_where_a_step_holds_less(monkeypatch):
     """The search and its table with a probe whose peak is each mode's bytes a token (a model of
     the CPU's figures): each mode's row, in order, and the ratios against recompute."""

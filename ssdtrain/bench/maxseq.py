@@ -321,6 +321,8 @@ def format_max_seq(result: dict) -> str:
         shape = f"{m['layers']} blocks, hidden {m['hidden']}, {m['heads']} heads"
     tiles = (f"; +tiled: MLP tiles of {result['tile_tokens']} tokens (+tiled-layer, +tiled-heads: the whole layer's)"
              if any(base_mode(r["mode"])[1] for r in result["max_seq"]) and result.get("tile_tokens") else "")
+    if any(base_mode(r["mode"])[1] == "heads" for r in result["max_seq"]) and result.get("head_groups"):
+        tiles += f"; +tiled-heads: attention in {result['head_groups']} groups of query heads"
     lines = [f"longest sequence per mode: {shape}, vocab {m['vocab']}, loss in chunks of {m['loss_chunk']} tokens"
              f"{tiles}; batch {result['batch']}, {result['dtype']}, {result['device']}; limit: {limit}", ""]
     every = result.get("vs_recompute_all") or {}
