@@ -71,6 +71,33 @@ def test_bench_llama_head_groups(request, tmp_path, path, kv, groups):
     assert torch.equal(got_loss, loss) and all(torch.equal(got[n], grads[n]) for n in grads)
 
 
+@pytest.mark.parametrize("path", ["kernel", "recompute"])
+def test_autocast_bf16(request, tmp_path, path):
+    """Under CPU autocast to bfloat16 (RoPE's float32 tables promote q and k, v stays bfloat16):
+    attention runs in bfloat16 as SDPA's autocast would have it, every gradient within bfloat16's
+    reach of the plain model's (2e-2 of the largest entry; the layer tiled with attention whole is
+    as far), and with an offloader equal to itself without one."""
+    if path == "recompute":
+        request.getfixturevalue("no_kernel")
+    tokens = torch.randint(0, 256, (2, 384), generator=torch.Generator().manual_seed(5))
+
+    def step(model, off=None):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return _step(model, tokens, off)
+
+    _, plain = step(_model(2))
+    model = _model(2)
+    tile_layers(model, 100, head_groups=4)
+    _, grads = step(model)
+    assert all(_rel(grads[n], plain[n]) < 2e-2 for n in plain)
+    off = ssdtrain.Offloader(model, path=str(tmp_path), min_bytes=0, late_writes=True)
+    try:
+        _, got = step(model, off)
+    finally:
+        off.close()
+    assert all(torch.equal(got[n], grads[n]) for n in grads)
+
+
 def test_the_layer_keeps_its_input_attentions_output_and_log_sum_exp():
     """What a grouped layer saves for backward, counted by a saved-tensor hook: of the whole
     sequence its input, attention's output and the fp32 log-sum-exp (kernel path); attention's

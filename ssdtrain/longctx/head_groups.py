@@ -184,7 +184,12 @@ def _attention(part: GroupPart, inputs: tuple, bounds: tuple, groups: int, kv_he
         v[:, k0:k0 + hk].copy_(vg)
         del qg, kg, vg
     if attend is None:
-        return _flash(q, k, v, scale)
+        # as SDPA under autocast (the kernel is called here past autocast's dispatch): the
+        # autocast dtype, else one dtype for the three (RoPE's tables may have promoted q and k)
+        dev = q.device.type
+        dtype = (torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev)
+                 else torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype))
+        return _flash(q.to(dtype), k.to(dtype), v.to(dtype), scale)
     if not per_group:
         return attend(q, k, v), None
     out = None  # attention with dropout: a group at a time, as backward draws its masks again
@@ -288,7 +293,9 @@ def _attention_backward(ctx: Any, g: int, inputs: tuple, y: torch.Tensor, lse: t
     hq = q.shape[1]
     rows = slice(g * hq, (g + 1) * hq)
     if ctx.attend is None:
-        return _flash_backward(dy[:, rows], q, k, v, y[:, rows], lse[:, rows], ctx.scale)
+        dt = y.dtype  # the forward's kernel ran in it (_attention); the gradients go back in q/k/v's own
+        grads = _flash_backward(dy[:, rows].to(dt), q.to(dt), k.to(dt), v.to(dt), y[:, rows], lse[:, rows], ctx.scale)
+        return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
     with torch.enable_grad(), _keep_saves():
         with ctx.replay.autocast():
