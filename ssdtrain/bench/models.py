@@ -471,19 +471,18 @@ def _grouped(block: LlamaBlock, pre_params: tuple, post_params: tuple, post, bou
     """The tiled block with attention ``groups`` groups of query heads at a time
     (:func:`ssdtrain.longctx.head_groups.grouped_layer`); a group's q/k/v from its rows of the
     weights, so its projections cost only its share."""
-    from ssdtrain.longctx.head_groups import group_tiles, grouped_layer, kernel_available
+    from ssdtrain.longctx.head_groups import group_heads, group_tiles, grouped_layer, kernel_available
 
     attn = block.attn
     b, d = x.shape[0], attn.d
-    hq, rep = attn.heads // groups, attn.heads // attn.kv  # a group's query heads; query heads a key head
-    hk = max(1, hq // rep)  # the key/value heads a group uses
 
     def part(lo: int, hi: int, g: int, xt: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # One product for the group's q, k and v rows, and RoPE once for q and k together: the
         # part runs four times a tile and a group (forward, recomputation, q/k/v again, replay).
-        t, k0 = hi - lo, g * hq // rep
-        rows = torch.cat((attn.q.weight[g * hq * d:(g + 1) * hq * d], attn.k.weight[k0 * d:(k0 + hk) * d],
-                          attn.v.weight[k0 * d:(k0 + hk) * d]))
+        qs, ks = group_heads(attn.heads, attn.kv, groups, g)
+        t, hq, hk = hi - lo, qs.stop - qs.start, ks.stop - ks.start
+        rows = torch.cat((attn.q.weight[qs.start * d:qs.stop * d], attn.k.weight[ks.start * d:ks.stop * d],
+                          attn.v.weight[ks.start * d:ks.stop * d]))
         qkv = F.linear(block.ln1(xt), rows).view(b, t, hq + 2 * hk, d).transpose(1, 2)
         c, z = rope_tables(t, d, attn.theta, xt.device, xt.dtype, start=lo)
         qk = apply_rope(qkv[:, :hq + hk], c, z)

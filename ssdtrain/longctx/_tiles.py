@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-__all__ = ["GradSums", "tiled_parts"]
+__all__ = ["GradSums", "replay_tile", "tiled_parts"]
 
 Part = Callable[..., tuple[torch.Tensor, ...]]
 
@@ -162,23 +162,31 @@ class _TiledParts(torch.autograd.Function):
         grad_in: list[torch.Tensor | None] = [torch.empty_like(inputs[i]) if i in want_in else None for i in range(n)]
         sums = GradSums(len(targets))
         replay = ctx.replay
-        with replay.rng(), torch.enable_grad(), _keep_saves():
+        with replay.rng():
             for a, b in ctx.bounds:
-                tiles = [t.narrow(-2, a, b - a).detach().requires_grad_(i in want_in) for i, t in enumerate(inputs)]
-                with replay.autocast():
-                    # views, not the leaves: autocast caches its casts of leaves that want gradients
-                    ys = ctx.part(a, b, *(t.view_as(t) if t.requires_grad else t for t in tiles))
-                pairs = [(y, g.narrow(-2, a, b - a)) for y, g in zip(ys, grad_outs) if y.requires_grad]
-                wrt = [tiles[i] for i in want_in] + targets
-                if pairs:
-                    grads = torch.autograd.grad([y for y, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
-                else:
-                    grads = (None,) * len(wrt)
-                del ys, pairs
-                for i, g in zip(want_in, grads[:len(want_in)]):
+                got = replay_tile(ctx.part, replay, a, b, inputs, want_in, targets, grad_outs)
+                for i, g in zip(want_in, got):
                     dst = grad_in[i].narrow(-2, a, b - a)
                     dst.zero_() if g is None else dst.copy_(g)
-                for j, g in enumerate(grads[len(want_in):]):
+                for j, g in enumerate(got[len(want_in):]):
                     sums.add(j, g)
-                del grads
+                del got
         return (None, None, None, None, *grad_in, *sums.grads(ctx.params, want_p))
+
+
+def replay_tile(part: Part, replay: _Replay, a: int, b: int, inputs: tuple[torch.Tensor, ...], want_in: list[int],
+                targets: list[torch.Tensor], grad_outs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor | None, ...]:
+    """``part`` again on the rows ``[a, b)`` of ``inputs``, with a graph (the forward's autocast
+    state entered; its saves kept as autograd keeps them), and the gradients of its outputs, given
+    ``grad_outs``' rows ``[a, b)``: those of the inputs ``want_in``, then of ``targets`` (``None``
+    where unused)."""
+    with torch.enable_grad(), _keep_saves():
+        tiles = [t.narrow(-2, a, b - a).detach().requires_grad_(i in want_in) for i, t in enumerate(inputs)]
+        with replay.autocast():
+            # views, not the leaves: autocast caches its casts of leaves that want gradients
+            ys = part(a, b, *(t.view_as(t) if t.requires_grad else t for t in tiles))
+        pairs = [(y, g.narrow(-2, a, b - a)) for y, g in zip(ys, grad_outs) if y.requires_grad]
+        wrt = [tiles[i] for i in want_in] + targets
+        if not pairs:
+            return (None,) * len(wrt)
+        return torch.autograd.grad([y for y, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)

@@ -43,9 +43,9 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from ssdtrain.longctx._tiles import GradSums, _forward_tiles, _keep_saves, _Replay
+from ssdtrain.longctx._tiles import GradSums, _forward_tiles, _keep_saves, _Replay, replay_tile
 
-__all__ = ["group_tiles", "grouped_layer", "kernel_available"]
+__all__ = ["group_heads", "group_tiles", "grouped_layer", "kernel_available"]
 
 GroupPart = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 Post = Callable[..., tuple[torch.Tensor]]
@@ -55,6 +55,15 @@ Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 def kernel_available(device: torch.device) -> bool:
     """Whether the kernel path runs on ``device`` (its fused kernel and backward are in this torch)."""
     return device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
+def group_heads(heads: int, kv_heads: int, groups: int, g: int) -> tuple[slice, slice]:
+    """Group ``g``'s query heads and the key/value heads they use, of ``groups`` groups: a group is
+    whole key/value heads with their query heads, or (more groups than key/value heads) some of
+    one key/value head's query heads, which then share it."""
+    hq, rep = heads // groups, heads // kv_heads
+    k0, hk = g * hq // rep, max(1, hq // rep)
+    return slice(g * hq, (g + 1) * hq), slice(k0, k0 + hk)
 
 
 def group_tiles(bounds: tuple[tuple[int, int], ...], groups: int) -> tuple[tuple[int, int], ...]:
@@ -90,7 +99,7 @@ def grouped_layer(part: GroupPart, post: Post, inputs: tuple[torch.Tensor, ...],
         part_bounds: the tiles of ``part``'s passes without a graph (``None``: ``bounds``;
             :func:`group_tiles`); its replay with a graph takes ``bounds``.
         groups: how many groups; every group has the same number of query heads.
-        kv_heads: the layer's key/value heads (group ``g``'s first is ``g x hq x kv_heads / heads``).
+        kv_heads: the layer's key/value heads (each group's: :func:`group_heads`).
         scale: attention's scale (``None``: ``1/sqrt(head_dim)``).
         attend: ``None``: the kernel path (:func:`kernel_available` must hold); else
             ``attend(q, k, v) -> out``, ``(b, hq, s, d)``, the recompute path.
@@ -173,15 +182,14 @@ def _attention(part: GroupPart, inputs: tuple, bounds: tuple, groups: int, kv_he
     q = k = v = None
     for g in range(groups):
         qg, kg, vg = _group_qkv(part, inputs, bounds, g)
-        hq, hk = qg.shape[1], kg.shape[1]
         if q is None:
-            b, _, s, d = qg.shape
+            b, hq, s, d = qg.shape
             q = qg.new_empty((b, hq * groups, s, d))
             k, v = kg.new_empty((b, kv_heads, s, d)), vg.new_empty((b, kv_heads, s, d))
-        k0 = g * hq * kv_heads // q.shape[1]  # the group's first key/value head
-        q[:, g * hq:(g + 1) * hq].copy_(qg)
-        k[:, k0:k0 + hk].copy_(kg)
-        v[:, k0:k0 + hk].copy_(vg)
+        rows, kv_rows = group_heads(q.shape[1], kv_heads, groups, g)
+        q[:, rows].copy_(qg)
+        k[:, kv_rows].copy_(kg)
+        v[:, kv_rows].copy_(vg)
         del qg, kg, vg
     if attend is None:
         # as SDPA under autocast (the kernel is called here past autocast's dispatch): the
@@ -194,13 +202,11 @@ def _attention(part: GroupPart, inputs: tuple, bounds: tuple, groups: int, kv_he
         return attend(q, k, v), None
     out = None  # attention with dropout: a group at a time, as backward draws its masks again
     for g in range(groups):
-        hq = q.shape[1] // groups
-        k0 = g * hq * kv_heads // q.shape[1]
-        hk = max(1, hq * kv_heads // q.shape[1])
-        y = attend(q[:, g * hq:(g + 1) * hq], k[:, k0:k0 + hk], v[:, k0:k0 + hk])
+        rows, kv_rows = group_heads(q.shape[1], kv_heads, groups, g)
+        y = attend(q[:, rows], k[:, kv_rows], v[:, kv_rows])
         if out is None:
             out = y.new_empty((y.shape[0], q.shape[1], *y.shape[2:]))
-        out[:, g * hq:(g + 1) * hq].copy_(y)
+        out[:, rows].copy_(y)
         del y
     return out, None
 
@@ -240,7 +246,10 @@ class _GroupedLayer(torch.autograd.Function):
         want_p = [i for i in range(len(ctx.params)) if ctx.needs_input_grad[skip + n + i]]
         pre_want = [i for i in want_p if i < ctx.n_pre]
         post_want = [i for i in want_p if i >= ctx.n_pre]
-        grad_in: list[torch.Tensor | None] = [torch.zeros_like(inputs[i]) if i in want_in else None for i in range(n)]
+        # the layer input's gradient: every row written by post's backward, then the groups' added;
+        # the part's other inputs' only added
+        grad_in: list[torch.Tensor | None] = [None if i not in want_in else torch.empty_like(inputs[i]) if i == 0
+                                              else torch.zeros_like(inputs[i]) for i in range(n)]
         pre_sums, post_sums = GradSums(len(pre_want)), GradSums(len(post_want))
         with ctx.replay_post.rng():
             dy = _post_backward(ctx, inputs[0], y, grad_z, grad_in[0], [ctx.params[i] for i in post_want], post_sums)
@@ -261,28 +270,16 @@ def _post_backward(ctx: Any, x: torch.Tensor, y: torch.Tensor, grad_z: torch.Ten
     """``post`` again a tile at a time with a graph: the input's gradient written into ``dx``, the
     parameters' into ``sums``; returns attention's output's gradient (whole, ``y``'s layout)."""
     dy = torch.empty_like(y)
-    with torch.enable_grad(), _keep_saves():
-        for a, b in ctx.bounds:
-            xt = x.narrow(-2, a, b - a).detach().requires_grad_(dx is not None)
-            yt = y.narrow(-2, a, b - a).detach().requires_grad_(True)
-            with ctx.replay.autocast():
-                (zt,) = ctx.post(a, b, xt.view_as(xt) if dx is not None else xt, yt.view_as(yt))
-            wrt = ([xt] if dx is not None else []) + [yt] + targets
-            got = torch.autograd.grad(zt, wrt, grad_z.narrow(-2, a, b - a), allow_unused=True)
-            del zt
-            if dx is not None:
-                _write(dx, got[0], a, b)
-                got = got[1:]
-            _write(dy, got[0], a, b)
-            for j, t in enumerate(got[1:]):
-                sums.add(j, t)
-            del got
+    want = [1] if dx is None else [0, 1]
+    for a, b in ctx.bounds:
+        got = replay_tile(ctx.post, ctx.replay, a, b, (x, y), want, targets, (grad_z,))
+        for dst, t in zip([dy] if dx is None else [dx, dy], got):
+            rows = dst.narrow(-2, a, b - a)
+            rows.zero_() if t is None else rows.copy_(t)
+        for j, t in enumerate(got[len(want):]):
+            sums.add(j, t)
+        del got
     return dy
-
-
-def _write(dst: torch.Tensor, t: torch.Tensor | None, a: int, b: int) -> None:
-    rows = dst.narrow(-2, a, b - a)
-    rows.zero_() if t is None else rows.copy_(t)
 
 
 def _attention_backward(ctx: Any, g: int, inputs: tuple, y: torch.Tensor, lse: torch.Tensor | None,
@@ -307,17 +304,12 @@ def _replay_part(ctx: Any, g: int, inputs: tuple, grads: tuple, want_in: list[in
                  grad_in: list, sums: GradSums) -> None:
     """Group ``g``'s part again, a tile at a time with a graph, its q/k/v gradients carried back:
     the inputs' gradients added into ``grad_in``, the parameters' into ``sums``."""
-    with torch.enable_grad(), _keep_saves():
-        for a, b in ctx.bounds:
-            tiles = [t.narrow(-2, a, b - a).detach().requires_grad_(i in want_in) for i, t in enumerate(inputs)]
-            with ctx.replay.autocast():
-                ys = ctx.part(a, b, g, *(t.view_as(t) if t.requires_grad else t for t in tiles))
-            wrt = [tiles[i] for i in want_in] + targets
-            got = torch.autograd.grad(ys, wrt, [d.narrow(-2, a, b - a) for d in grads], allow_unused=True)
-            del ys
-            for i, t in zip(want_in, got[:len(want_in)]):
-                if t is not None:
-                    grad_in[i].narrow(-2, a, b - a).add_(t)
-            for j, t in enumerate(got[len(want_in):]):
-                sums.add(j, t)
-            del got
+    part = functools.partial(_at_group, ctx.part, g)
+    for a, b in ctx.bounds:
+        got = replay_tile(part, ctx.replay, a, b, inputs, want_in, targets, grads)
+        for i, t in zip(want_in, got):
+            if t is not None:
+                grad_in[i].narrow(-2, a, b - a).add_(t)
+        for j, t in enumerate(got[len(want_in):]):
+            sums.add(j, t)
+        del got

@@ -159,24 +159,23 @@ def _grouped_forward(layer: nn.Module, module: Any, function: Any, groups: int, 
                      dropout: float, extra: dict, post: Any, pre_params: tuple, post_params: tuple,
                      bounds: tuple) -> torch.Tensor:
     """The layer with attention ``groups`` groups of query heads at a time (module docstring)."""
-    from ssdtrain.longctx.head_groups import group_tiles, grouped_layer, kernel_available
+    from ssdtrain.longctx.head_groups import group_heads, group_tiles, grouped_layer, kernel_available
 
     attn = layer.self_attn
     b, d = inputs[0].shape[0], attn.head_dim
     heads, kv = attn.config.num_attention_heads, attn.config.num_key_value_heads
-    rep, hq = heads // kv, heads // groups  # query heads a key/value head; a group's
-    hk = max(1, hq // rep)  # the key/value heads a group uses
+    rep = heads // kv  # query heads a key/value head
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)  # Qwen3: per head
 
     def part(lo: int, hi: int, g: int, xt: torch.Tensor, ct: torch.Tensor, st: torch.Tensor) -> tuple[torch.Tensor, ...]:
         n = layer.input_layernorm(xt)
         shape = (b, hi - lo, -1, d)
-        k0 = g * hq // rep
-        q = _rows(attn.q_proj, n, g * hq * d, (g + 1) * hq * d).view(shape)
-        k = _rows(attn.k_proj, n, k0 * d, (k0 + hk) * d).view(shape)
+        qs, ks = group_heads(heads, kv, groups, g)
+        q = _rows(attn.q_proj, n, qs.start * d, qs.stop * d).view(shape)
+        k = _rows(attn.k_proj, n, ks.start * d, ks.stop * d).view(shape)
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
-        v = _rows(attn.v_proj, n, k0 * d, (k0 + hk) * d).view(shape).transpose(1, 2)
+        v = _rows(attn.v_proj, n, ks.start * d, ks.stop * d).view(shape).transpose(1, 2)
         q, k = module.apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), ct, st)
         return q, k, v
 

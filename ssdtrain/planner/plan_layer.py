@@ -182,9 +182,11 @@ def layer_heads_moments(inp, micro_batch: int = 1) -> dict[str, int]:
       tile's tensors and gradients as :func:`layer_tiled_moments`' ``mlp`` has them
       (``d(3h + 7f) + 4``);
     * ``attention``: one group's q, k and v (``d(hq + 2kvg)``), each key/value head repeated for the
-      group's query heads where the kernel wants them so (``2dhq``), the gradients of q and of the
-      repeated k and v (``3dhq``) and of k and v folded (``2dkvg``), the group's rows of ``y``'s
-      gradient copied dense (``dhq``) and the fp32 dq accumulator (``4hq``): ``d(7hq + 4kvg) + 4hq``
+      group's query heads as a kernel without grouped-query support wants them (``2dhq``; the CPU
+      kernel path passes an expanded view instead, so this is an upper bound there), the gradients
+      of q and of the repeated k and v (``3dhq``: a kernel writes k's and v's for every query head)
+      and of k and v folded (``2dkvg``), the group's rows of ``y``'s gradient copied dense (``dhq``)
+      and the fp32 dq accumulator (``4hq``): ``d(7hq + 4kvg) + 4hq``
       a token, and one tile of the part replayed (the normed copy, q, k, v and their gradients,
       ``2d(h + hq + 2kvg)``).
 
