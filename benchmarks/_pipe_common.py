@@ -170,3 +170,13 @@ def header(args: argparse.Namespace, engine: str, world: int) -> dict:
     return {"engine": engine, "mode": args.mode, "stages": args.stages, "virtual": args.virtual, "dp": dp,
             "micro_batch": args.micro_batch, "microbatches": m, "global_batch": args.global_batch,
             "shape": asdict(shape_of(args)), "versions": versions()}
+
+
+STAT_FIELDS = ("written_bytes", "read_bytes", "forwarded_bytes", "kept_bytes", "stall_seconds", "read_stall_seconds",
+               "backpressure_stall_seconds", "writes", "reads", "prefetch_misses", "drive_write_bps")
+
+
+def offload_stats(stats) -> dict:
+    """The offloader's counters a rank reports (empty without one): what went to the drive, what
+    came back by a read or from memory, and how long compute waited on it."""
+    return {k: getattr(stats, k) for k in STAT_FIELDS} if stats is not None else {}

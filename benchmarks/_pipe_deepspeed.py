@@ -229,7 +229,7 @@ def main() -> None:
     result.update(rank=rank, stage=stage, dp_rank=dp_rank, steps=steps, events=timeline.events, losses=losses,
                   held_bytes=held_max, growth_bytes=growth_max, peak_bytes=peak_max,
                   offloaded_bytes=stats.written_bytes if stats else 0,
-                  kept_bytes=stats.kept_bytes if stats else 0)
+                  kept_bytes=stats.kept_bytes if stats else 0, offload_stats=common.offload_stats(stats))
     common.write(args.out, rank, result)
     engine.destroy()  # closes the offloader too
     torch.distributed.barrier()

@@ -168,7 +168,7 @@ def main(argv=None) -> int:
     result.update(rank=rank, stage=stage, dp_rank=dp_rank, steps=steps, events=timeline.events, losses=losses,
                   held_bytes=held, growth_bytes=growth, peak_bytes=held + growth,
                   offloaded_bytes=int(stats.written_bytes) if stats else 0,
-                  kept_bytes=int(stats.kept_bytes) if stats else 0)
+                  kept_bytes=int(stats.kept_bytes) if stats else 0, offload_stats=common.offload_stats(stats))
     common.write(args.out, rank, result)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

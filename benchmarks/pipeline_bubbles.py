@@ -12,7 +12,9 @@ the best configuration of each mode that fits (the most tokens a second) runs ``
 times, the modes alternated in each round; the report gives each mode's median tokens a second,
 its ratio to the best without offloading, each rank's measured idle share of the pipeline's part
 of the step beside ``(p-1)/(m+p-1)``, the peak, the bytes offloaded, and whether the losses of a
-configuration are equal with and without offloading.
+configuration are equal with and without offloading; beside it, ``ssdtrain plan`` given this
+machine's measured rates (``_pipe_planner.py``) chooses each mode's configuration, and the rounds time
+its choice too where it differs from the search's.
 
     python benchmarks/pipeline_bubbles.py --engines megatron --budget-mib 200 --rounds 3 --out OUT.jsonl
 
@@ -35,6 +37,7 @@ from dataclasses import asdict
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import _pipe_common as common  # noqa: E402
+import _pipe_planner as planner  # noqa: E402
 
 RANKS = 2
 SCRIPTS = {"megatron": "_pipe_megatron.py", "deepspeed": "_pipe_deepspeed.py"}
@@ -92,7 +95,7 @@ def probe(engine: str, mode: str, cfg: dict, args: argparse.Namespace) -> dict:
         tokens_per_s=args.global_batch * args.shape.seq / step,
         peak_bytes=max(r["peak_bytes"] for r in ranks), offloaded_bytes=sum(r["offloaded_bytes"] for r in ranks),
         ranks=[{"rank": r["rank"], "stage": r["stage"], "peak_bytes": r["peak_bytes"], "held_bytes": r["held_bytes"],
-                **common.summary(r["steps"])} for r in ranks],
+                "offload_stats": r.get("offload_stats", {}), **common.summary(r["steps"])} for r in ranks],
         theory_bubble=bubble(cfg["stages"], ranks[0]["microbatches"], cfg["virtual"]),
         events_by_stage={str(r["stage"]): _numbered(r["events"]) for r in sorted(ranks, key=lambda r: -r["rank"])},
         losses=last["losses"], versions=ranks[0]["versions"])
@@ -145,7 +148,7 @@ def report(records: list[dict], budget_mib: float) -> str:
                 lines.append(f"{mode:18} {name(r):22} {'yes' if r['fits'] else 'no':5} {r['peak_bytes'] / 2**20:8.0f} "
                              f"{tps:9.0f} {idle:>14} {r['theory_bubble']:13.2f} {r['offloaded_bytes'] / 2**20:13.0f}"
                              + (f"  ({len(rs)} runs)" if len(rs) > 1 else ""))
-                if r["fits"] and (mode not in best or tps > best[mode][0]):
+                if all(x["fits"] for x in rs) and (mode not in best or tps > best[mode][0]):
                     best[mode] = (tps, r)
         plain = max((best[m][0] for m in ("baseline", "recompute") if m in best), default=None)
         lines.append("best that fits:")
@@ -160,51 +163,23 @@ def report(records: list[dict], budget_mib: float) -> str:
                     if twin:
                         same = all(b["losses"] == r["losses"] for b in twin)
                         lines.append(f"  {off} vs {base} at {name(r)}: {'equal' if same else 'DIFFER'}")
-        lines += planner_beside(records, budget_mib, engine)
+        lines += planner.beside(records, budget_mib, engine)
     return "\n".join(lines)
 
 
-def planner_beside(records: list[dict], budget_mib: float, engine: str) -> list[str]:
-    """``ssdtrain plan`` for this machine beside the measured best of each mode: the planner's
-    compute rate is calibrated on one measured probe (baseline without a pipeline, the largest
-    micro-batch measured: no bubble, no offloading, whether it fits or not), the drive at 2 GB/s
-    (this VM's), no host tier (the CPU has no device to copy from), ``gpu_mem_gib`` the budget; it
-    then chooses each mode's configuration and predicts its step."""
-    from ssdtrain.planner.plan import plan
-    from ssdtrain.planner.plan_inputs import Inputs
-
-    ok = [r for r in records if r["engine"] == engine and "error" not in r]
-    ref = [r for r in ok if r["mode"] == "baseline" and r["stages"] == 1]
-    if not ref:
-        return ["planner: no baseline probe without a pipeline to calibrate on"]
-    ref = max(ref, key=lambda r: r["micro_batch"])
-    shape = ok[0]["shape"] if "shape" in ok[0] else None
-    s = common.Shape(**(shape or {}))
-    base = dict(layers=s.layers, hidden=s.hidden, heads=s.heads, seq=s.seq, vocab=s.vocab, gpus=RANKS,
-                global_batch=ref["global_batch"], dtype="fp32", flash=engine != "megatron", dropout=False,
-                drive_gbps=2.0, host_gib=0.0, host_gbps=0.0, min_bytes=0)
-    probe_inp = Inputs(**base, gpu_mem_gib=1e3, stages=1, tflops=1.0)
-    from ssdtrain.planner.plan_model import evaluate
-
-    at_one = evaluate(probe_inp, "baseline", 1, ref["micro_batch"])
-    tflops = at_one.step_time_s / ref["step_s"]
-    got = plan(Inputs(**base, gpu_mem_gib=budget_mib / 1024, tflops=tflops))["best"]
-    lines = [f"planner ({engine}): calibrated on baseline pp1 mb{ref['micro_batch']} ({ref['step_s']:.2f} s): "
-             f"{tflops * 1e3:.1f} GFLOP/s a rank"]
-    for mode, cfg in got.items():
-        if cfg is None:
-            lines.append(f"  {mode:18} no configuration fits")
-            continue
-        runs = [r for r in ok if r["mode"] == mode and r["stages"] == cfg["stages"] and r["virtual"] == 1
-                and r["micro_batch"] == cfg["micro_batch"]]
-        measured = statistics.median(r["step_s"] for r in runs) if runs else None
-        fits = [r for r in ok if r["mode"] == mode and r["peak_bytes"] <= budget_mib * 2**20]
-        best = max(fits, key=lambda r: r["tokens_per_s"]) if fits else None
-        err = f"{measured:.2f} s measured ({cfg['step_time_s'] / measured - 1:+.0%})" if measured else "not measured"
-        lines.append(f"  {mode:18} chooses pp{cfg['stages']} mb{cfg['micro_batch']} m{cfg['num_microbatches']}, "
-                     f"bubble {cfg['bubble_fraction']:.2f}, step {cfg['step_time_s']:.2f} s predicted, {err}; "
-                     f"measured best {name(best) if best else '-'}")
-    return lines
+def timed(best: dict, chosen: dict, modes: list[str], rounds: int,
+          calibration: list[dict] = ()) -> list[list[tuple[str, dict]]]:
+    """The timing rounds: in each, every mode's best from the search, and beside it the planner's
+    choice where that differs, the modes alternated; first the ``calibration`` configurations
+    (baseline), which give the planner its compute rates."""
+    order = [("baseline", {k: c[k] for k in ("stages", "virtual", "micro_batch")}) for c in calibration]
+    for mode in modes:
+        for rec in (best.get(mode), chosen.get(mode)):
+            if rec is not None:
+                cfg = {k: rec[k] for k in ("stages", "virtual", "micro_batch")}
+                if (mode, cfg) not in order:
+                    order.append((mode, cfg))
+    return [order for _ in range(rounds)]
 
 
 def main(argv=None) -> int:
@@ -262,34 +237,30 @@ def main(argv=None) -> int:
         with open(args.searched) as f:
             earlier = [json.loads(line) for line in f if line.strip()]
     for engine in engines:
-        if earlier:
-            best = {}
+        best = {}
+        if earlier:  # the earlier run's probes stand for the search
             for rec in earlier:
                 if rec["engine"] == engine and rec["mode"] in modes and "error" not in rec:
                     rec = dict(rec, fits=rec["peak_bytes"] <= args.budget_mib * 2**20, budget_mib=args.budget_mib)
                     records.append(rec)
                     if rec["fits"] and rec["tokens_per_s"] > best.get(rec["mode"], {}).get("tokens_per_s", 0):
                         best[rec["mode"]] = rec
-            for _ in range(args.rounds):
-                for mode in modes:
-                    if mode in best:
-                        run(engine, mode, {k: best[mode][k] for k in ("stages", "virtual", "micro_batch")})
-            continue
-        wanted = configs(engine, args.global_batch)
-        if args.configs:
-            names = set(args.configs.split(","))
-            wanted = [c for c in wanted
-                      if f"pp{c['stages']}{'x2' if c['virtual'] > 1 else ''}mb{c['micro_batch']}" in names]
-        best = {}
-        for mode in modes:
-            for cfg in wanted:
-                rec = run(engine, mode, cfg)
-                if rec.get("fits") and (mode not in best or rec["tokens_per_s"] > best[mode]["tokens_per_s"]):
-                    best[mode] = rec
-        for _ in range(args.rounds):
+        else:
+            wanted = configs(engine, args.global_batch)
+            if args.configs:
+                names = set(args.configs.split(","))
+                wanted = [c for c in wanted
+                          if f"pp{c['stages']}{'x2' if c['virtual'] > 1 else ''}mb{c['micro_batch']}" in names]
             for mode in modes:
-                if mode in best:
-                    run(engine, mode, {k: best[mode][k] for k in ("stages", "virtual", "micro_batch")})
+                for cfg in wanted:
+                    rec = run(engine, mode, cfg)
+                    if rec.get("fits") and (mode not in best or rec["tokens_per_s"] > best[mode]["tokens_per_s"]):
+                        best[mode] = rec
+        calibration = [c for c in configs(engine, args.global_batch) if c["stages"] == 1]
+        for cfg_by_mode in timed(best, planner.choices(records, args.budget_mib, engine), modes, args.rounds,
+                                 calibration):
+            for mode, cfg in cfg_by_mode:
+                run(engine, mode, cfg)
     print(report(records, args.budget_mib))
     return 0
 

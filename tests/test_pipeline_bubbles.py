@@ -8,6 +8,7 @@ Skips an engine that is not installed (``pip install megatron-core==0.16.1 deeps
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -92,3 +93,68 @@ def test_smallest_pipeline_with_and_without_offloading(engine, module, tmp_path)
     for events in (first, last):
         assert all(0 <= t0 <= t1 for _, _, t0, t1 in events)
         assert all(a[3] <= b[2] for a, b in zip(events, events[1:]))  # one at a time, in order
+    # the offloader's counters come with each rank's record
+    assert sum(r["offload_stats"]["written_bytes"] for r in off["ranks"]) == off["offloaded_bytes"]
+    assert all(r["offload_stats"] == {} for r in plain["ranks"])
+
+
+# --- the planner beside the measurements (benchmarks/_pipe_planner.py) ---------------------------
+
+def _synthetic(engine, mode, stages, virtual, mb, step_s, pipe_s, peak, forward_s=None, backward_s=None):
+    """A probe's record as ``probe`` writes it, with the timings given."""
+    m = GLOBAL_BATCH // (mb * (2 // stages))
+    events = []
+    if forward_s is not None:
+        for i in range(m):
+            events.append(["F", i, 0.0, forward_s / m])
+            events.append(["B", i, 0.0, backward_s / m])
+    rank = {"step_s": step_s, "pipe_s": pipe_s, "peak_bytes": peak}
+    return {"engine": engine, "mode": mode, "stages": stages, "virtual": virtual, "micro_batch": mb,
+            "global_batch": GLOBAL_BATCH, "shape": dataclasses.asdict(SHAPE),
+            "step_s": step_s, "tokens_per_s": GLOBAL_BATCH * SHAPE.seq / step_s, "peak_bytes": peak,
+            "ranks": [rank, rank], "events_by_stage": {"0": events}}
+
+
+def test_planner_is_calibrated_on_the_probes_without_a_pipeline():
+    import _pipe_planner as planner
+    from ssdtrain.planner.plan_model import evaluate
+
+    budget = 64.0
+    # Rates the records are made with: forward 2 and 3 GFLOP/s at micro-batch 1 and 2, backward at
+    # half the forward's, and 0.25 s of gradient all-reduce beside the pipeline's time.
+    unit = planner.calibrated([_synthetic("megatron", "baseline", 1, 1, 1, 1.0, 1.0, 1, 1.0, 1.0)], budget, "megatron")
+    unit = type(unit)(**{**vars(unit), "tflops": 1.0, "backward_tflops": None, "tflops_at": (), "allreduce_gbps": 0.0})
+    records = []
+    for mb, rate in ((1, 2e-3), (2, 3e-3)):
+        work = evaluate(unit, "baseline", 1, mb).step_time_s  # TFLOPs: a third forward's
+        forward, backward = work / 3 / rate, work * 2 / 3 / (rate / 2)
+        records.append(_synthetic("megatron", "baseline", 1, 1, mb, forward + backward + 0.25, forward + backward,
+                                  2 << 30, forward, backward))
+    inp = planner.calibrated(records, budget, "megatron")
+    assert [b for b, _ in inp.tflops_at] == [1, 2]
+    assert [r for _, r in inp.tflops_at] == pytest.approx([2e-3, 3e-3])
+    assert inp.backward_tflops / inp.tflops == pytest.approx(0.5)
+    assert (inp.virtual_stages, inp.tied_head, inp.gpu_mem_gib) == (2, False, budget / 1024)
+    for rec in records:  # the planner gives back the steps it was calibrated on, all-reduce included
+        assert evaluate(inp, "baseline", 1, rec["micro_batch"]).step_time_s == pytest.approx(rec["step_s"])
+    # Neither probe fits 64 MiB; the planner's baseline choice is a pipeline, and the report says
+    # whether the measured best is the same
+    chosen = planner.choices(records, budget, "megatron")
+    assert chosen["baseline"]["stages"] == 2
+    c = chosen["baseline"]
+    measured = _synthetic("megatron", "baseline", c["stages"], c["virtual"], c["micro_batch"], 9.0, 8.9, 1)
+    lines = planner.beside(records + [measured], budget, "megatron")
+    assert any(line.strip().startswith("baseline") and line.endswith("the same") for line in lines), lines
+    assert planner.beside([], budget, "megatron")[0].startswith("planner (megatron): no baseline probe")
+
+
+def test_rounds_time_the_calibration_the_best_and_the_planners_choice():
+    one, two = {"stages": 1, "virtual": 1, "micro_batch": 2}, {"stages": 2, "virtual": 2, "micro_batch": 1}
+    rounds = pipeline_bubbles.timed({"offload": dict(one, tokens_per_s=1.0), "baseline": two},
+                                    {"offload": one, "baseline": dict(two, step_s=1.0)}, ["baseline", "offload"], 3,
+                                    [{"stages": 1, "virtual": 1, "micro_batch": 1}])
+    assert len(rounds) == 3
+    assert rounds[0] == [("baseline", {"stages": 1, "virtual": 1, "micro_batch": 1}), ("baseline", two),
+                         ("offload", one)]
+    differ = pipeline_bubbles.timed({"offload": one}, {"offload": dict(one, micro_batch=1)}, ["offload"], 1)
+    assert differ[0] == [("offload", one), ("offload", dict(one, micro_batch=1))]

@@ -43,11 +43,15 @@ The model behind the numbers, stated once (each is also in the JSON under ``assu
   fragmentation.
 * **Time**: forward FLOPs per layer per sequence 24sh² + 4s²h, plus 2shV for the LM head;
   training = 3× forward (recompute: 4× for the layers). ``--tflops`` is the throughput a GPU
-  actually achieves. A 1F1B step takes ``(m + p − 1)`` slots of one micro-batch's forward and
-  backward on one stage; bubble fraction ``(p − 1)/(m + p − 1)``. Data-parallel gradient
-  all-reduce, pipeline send/receive and the lower efficiency of small micro-batches are not
-  modelled, so among fitting configurations the fastest is the one with the smallest bubble
-  (ties go to fewer stages, then larger micro-batches).
+  actually achieves; ``--tflops-at`` gives it per micro-batch size where measured (small
+  micro-batches run below the best rate). A 1F1B step takes ``(m + p − 1)`` slots of one
+  micro-batch's forward and backward on the slowest stage; bubble fraction ``(p − 1)/(m + p − 1)``.
+  With ``--virtual-stages v`` the planner also weighs Megatron-Core's interleaved schedule: ``m +
+  (p − 1)/v`` slots, bubble ``(p − 1)/(vm + p − 1)``, and more in flight on each stage
+  (``plan_model.inflight_layers``). ``--allreduce-gbps`` adds the data-parallel gradient
+  all-reduce (a ring: ``2(dp − 1)/dp`` of a stage's gradient bytes); pipeline send/receive and the
+  optimizer's step are not modelled (ties go to fewer stages, fewer chunks, then larger
+  micro-batches).
 * **Drive** (offload): ``--drives`` drives per GPU of ``--drive-gbps`` each. In a 1F1B slot a
   stage writes one micro-batch's activations and reads another's back. The required write
   bandwidth is those bytes over the slot time; reads are assumed at least as fast as writes and
@@ -144,7 +148,8 @@ def plan(inp: Inputs) -> dict:
             "optimizer_bytes_per_trained_param": {"gpu": inp.optimizer_gpu_bytes, "host": inp.optimizer_host_bytes},
             "reserved_fraction": RESERVE_FRACTION,
             "offload_resident_layers": OFFLOAD_RESIDENT_LAYERS,
-            "schedule": "1F1B, bubble (p-1)/(m+p-1); no tensor parallelism, no ZeRO",
+            "schedule": "1F1B, bubble (p-1)/(m+p-1); interleaved (--virtual-stages v) (p-1)/(vm+p-1); "
+                        "no tensor parallelism",
             "drive_gbps_is": "sustained write bandwidth per drive, --drives per GPU; reads >= writes, concurrent",
         },
     }
@@ -184,8 +189,10 @@ def format_plan(result: dict) -> str:
         if cfg is None:
             lines.append(f"{mode:<10} {mmb:>6}  does not fit at any configuration")
             continue
+        v = cfg.get("virtual_stages", 1)
+        stages = f"{cfg['stages']}x{v}" if v > 1 else str(cfg["stages"])
         lines.append(
-            f"{mode:<10} {mmb:>6} {cfg['stages']:>6} {cfg['data_parallel']:>4} {cfg['micro_batch']:>4} "
+            f"{mode:<10} {mmb:>6} {stages:>6} {cfg['data_parallel']:>4} {cfg['micro_batch']:>4} "
             f"{cfg['num_microbatches']:>5} {cfg['bubble_fraction']:>6.1%} "
             f"{cfg['memory_gib']:>6.1f} GiB {cfg['step_time_s']:>8.3f}s {cfg['stall_s']:>7.3f}s"
         )
@@ -254,6 +261,18 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--stages", type=int, default=None, help="pipeline stages (default: best)")
     ap.add_argument("--tflops", type=float, default=400.0,
                     help="achieved TFLOPS per GPU (default 400)")
+    ap.add_argument("--tflops-at", default=None, metavar="B:TFLOPS,...",
+                    help="achieved TFLOPS measured per micro-batch size, e.g. 1:310,2:380,4:400 (sizes between "
+                    "interpolated, outside the nearest; default: --tflops at every size)")
+    ap.add_argument("--allreduce-gbps", type=float, default=0.0, metavar="GBPS",
+                    help="bus bandwidth of the data-parallel gradient all-reduce, GB/s (nccl-tests' busbw); "
+                    "default 0: not modelled")
+    ap.add_argument("--untied-head", action="store_true",
+                    help="gpt: the head is a weight of its own, not the embedding's (Megatron-Core's "
+                    "share_embeddings_and_output_weights=False)")
+    ap.add_argument("--virtual-stages", type=int, default=1, metavar="V",
+                    help="also weigh Megatron-Core's interleaved 1F1B with V model chunks a stage (default 1: "
+                    "plain 1F1B; DeepSpeed's PipelineEngine has no interleaving)")
     ap.add_argument("--drive-gbps", type=float, default=3.0,
                     help="sustained write bandwidth of one drive, GB/s (default 3)")
     ap.add_argument("--drive-tb", type=float, default=3.84,
@@ -281,6 +300,22 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _tflops_at(text: str | None) -> tuple:
+    """``--tflops-at 1:310,2:380``: ``((1, 310.0), (2, 380.0))``."""
+    if not text:
+        return ()
+    pairs = []
+    for item in text.split(","):
+        b, sep, rate = item.partition(":")
+        try:
+            pairs.append((int(b), float(rate)))
+        except ValueError:
+            raise ValueError(f"--tflops-at: {item!r} is not MICRO_BATCH:TFLOPS (e.g. 2:380)") from None
+        if not sep:
+            raise ValueError(f"--tflops-at: {item!r} is not MICRO_BATCH:TFLOPS (e.g. 2:380)")
+    return tuple(pairs)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
@@ -301,7 +336,9 @@ def main(argv: list[str] | None = None) -> int:
             global_batch=args.global_batch, dtype=args.dtype, flash=not args.no_flash,
             dropout=not args.no_dropout, stages=args.stages, tflops=args.tflops,
             drive_gbps=args.drive_gbps, drive_tb=args.drive_tb, trainable_fraction=args.trainable_fraction,
-            optimizer_bytes=args.optimizer_bytes, zero=args.zero, loss_chunk=args.loss_chunk, **input_fields(args),
+            optimizer_bytes=args.optimizer_bytes, zero=args.zero, loss_chunk=args.loss_chunk,
+            virtual_stages=args.virtual_stages, tflops_at=_tflops_at(args.tflops_at),
+            allreduce_gbps=args.allreduce_gbps, tied_head=not args.untied_head, **input_fields(args),
         )
     except ValueError as exc:
         print(f"ssdtrain plan: {exc}", file=sys.stderr)

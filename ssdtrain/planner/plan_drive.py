@@ -42,8 +42,8 @@ def drive_step(inp, mode: str, stages: int, micro_batch: int, *, head: bool | No
     list_, fwd, bwd = saves(
         layers=layers, seq=inp.seq, hidden=inp.hidden, heads=inp.heads, vocab=inp.vocab, micro_batch=micro_batch,
         dtype_bytes=inp.dtype_bytes, flash=inp.flash, dropout=inp.dropout, checkpoint=mode != "offload",
-        head=stages == 1 if head is None else head, tflops=inp.tflops,
-        backward_tflops=inp.backward_tflops or inp.tflops, arch=inp.arch, kv_heads=inp.kv_heads,
+        head=stages == 1 if head is None else head, tflops=inp.rate(micro_batch),
+        backward_tflops=inp.backward_rate(micro_batch), arch=inp.arch, kv_heads=inp.kv_heads,
         ffn_hidden=inp.ffn_hidden)
     return simulate(list_, forward_s=fwd, backward_s=bwd, write_bps=inp.drive_gbps * inp.drives * 1e9,
                     read_bps=inp.read_gbps * inp.drives * 1e9, handoff_bytes=inp.handoff_bytes * inp.drives,

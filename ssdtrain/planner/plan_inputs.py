@@ -90,6 +90,24 @@ class Inputs:
     node_host_gib: float | None = None
     """Pinned host memory of a node for the tier, all its GPUs together: if given, each GPU's share,
     ``node_host_gib / gpus_per_node``, replaces ``host_gib``."""
+    tied_head: bool = True
+    """``gpt``: the head shares the embedding's weight (at more than one stage the last holds a copy);
+    ``False``: the head is a weight of its own (Megatron-Core's
+    ``share_embeddings_and_output_weights=False``, a plain ``nn.Linear``). ``llama``'s is untied."""
+    virtual_stages: int = 1
+    """Model chunks a pipeline stage may hold under Megatron-Core's interleaved 1F1B (its
+    ``--virtual-pipeline-model-parallel-size``): with more than 1 the planner also weighs that many
+    chunks a stage wherever the stage's layers divide into them and the micro-batches are a multiple
+    of the stages. 1: plain 1F1B only (DeepSpeed's PipelineEngine has no interleaving)."""
+    allreduce_gbps: float = 0.0
+    """Bus bandwidth of the data-parallel ranks' gradient all-reduce, GB/s (what ``nccl-tests``
+    reports as busbw): a step adds ``2 (dp - 1)/dp`` times a stage's gradient bytes over it. 0: not
+    modelled (the pipeline's time only)."""
+    tflops_at: tuple = ()
+    """Achieved TFLOPS measured per micro-batch size, ``((b, tflops), ...)`` (``--tflops-at
+    1:0.031,2:0.040``): small micro-batches run a GPU (and a CPU) below its best rate. A size between
+    two measured ones takes the straight line between their rates, one outside them the nearest
+    measured rate. Empty: ``tflops`` at every size."""
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -100,6 +118,9 @@ class Inputs:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
+            raise ValueError(f"--virtual-stages must be a positive integer, got {self.virtual_stages!r}")
+        object.__setattr__(self, "tflops_at", _rates(self.tflops_at))
         if self.node_host_gib is not None and not self.node_host_gib >= 0:
             raise ValueError(f"--node-host-gib must be >= 0, got {self.node_host_gib!r}")
         for name in ("layers", "hidden", "heads", "seq", "vocab", "gpus", "global_batch", "drives"):
@@ -119,6 +140,8 @@ class Inputs:
             raise ValueError(f"--optimizer-bytes must be >= 0, got {self.optimizer_bytes!r}")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"--zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if not self.allreduce_gbps >= 0:
+            raise ValueError(f"--allreduce-gbps must be >= 0 (0: not modelled), got {self.allreduce_gbps!r}")
         for name in ("host_gbps", "host_gib"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: no host tier), got {getattr(self, name)!r}")
@@ -155,6 +178,24 @@ class Inputs:
                 raise ValueError(f"--stages must be in 1..layers ({self.layers}), got {self.stages!r}")
             if self.gpus % self.stages:
                 raise ValueError(f"--stages ({self.stages}) must divide --gpus ({self.gpus})")
+
+    def rate(self, micro_batch: int) -> float:
+        """Achieved TFLOPS at ``micro_batch``: ``tflops_at`` where measured (interpolated between
+        sizes, the nearest outside them), else ``tflops``."""
+        at = self.tflops_at
+        if not at:
+            return self.tflops
+        if micro_batch <= at[0][0]:
+            return at[0][1]
+        for (b0, r0), (b1, r1) in zip(at, at[1:]):
+            if micro_batch <= b1:
+                return r0 + (r1 - r0) * (micro_batch - b0) / (b1 - b0)
+        return at[-1][1]
+
+    def backward_rate(self, micro_batch: int) -> float:
+        """Achieved TFLOPS in backward at ``micro_batch``: ``rate(micro_batch)`` scaled by
+        ``backward_tflops / tflops`` when ``backward_tflops`` is given."""
+        return self.rate(micro_batch) * (self.backward_tflops / self.tflops if self.backward_tflops else 1.0)
 
     @property
     def dtype_bytes(self) -> int:
@@ -198,3 +239,21 @@ class Inputs:
             self.seq, self.hidden, self.heads, micro_batch,
             dtype_bytes=self.dtype_bytes, flash=self.flash, dropout=self.dropout,
         )
+
+
+def _rates(pairs) -> tuple:
+    """``tflops_at`` checked and sorted by micro-batch size: ``((b, tflops), ...)``."""
+    out = {}
+    for pair in pairs:
+        try:
+            b, r = pair
+        except (TypeError, ValueError):
+            raise ValueError(f"--tflops-at: each entry is a micro-batch size and its TFLOPS (1:0.03), got {pair!r}") from None
+        if not isinstance(b, int) or isinstance(b, bool) or b < 1:
+            raise ValueError(f"--tflops-at: a micro-batch size must be a positive integer, got {b!r}")
+        if not (isinstance(r, (int, float)) and r > 0):
+            raise ValueError(f"--tflops-at: the TFLOPS at micro-batch {b} must be > 0, got {r!r}")
+        if b in out:
+            raise ValueError(f"--tflops-at: micro-batch {b} given twice")
+        out[b] = float(r)
+    return tuple(sorted(out.items()))

@@ -14,7 +14,7 @@ from ssdtrain.planner.plan_inputs import Inputs
 from ssdtrain.planner.plan_layer import (_backward_grad_bytes, block_working_bytes, head_activation_bytes,
                                          layer_forward_flops, layer_params)
 
-__all__ = ["MODES", "Config", "best_config", "evaluate", "max_micro_batch", "model_state_bytes"]
+__all__ = ["MODES", "Config", "best_config", "evaluate", "inflight_layers", "max_micro_batch", "model_state_bytes"]
 
 MODES = ("baseline", "recompute", "offload")
 RESERVE_FRACTION = 0.10
@@ -53,14 +53,23 @@ class Config:
     offload_fraction: float
     written_bytes_per_step: int
     required_write_gbps: float
+    virtual_stages: int = 1
 
 
 def model_params(inp) -> int:
     """All parameters: the blocks, the embeddings and the head (``llama``: untied, and the final
-    RMSNorm; ``gpt``: learned positions, the head tied to the embedding)."""
+    RMSNorm; ``gpt``: learned positions, the head tied to the embedding unless ``tied_head`` is off)."""
+    embed, head = _edges(inp, 1)
+    return inp.layers * layer_params(inp) + embed + head
+
+
+def _edges(inp, p: int) -> tuple[int, int]:
+    """Parameters of the first stage's embeddings and of the last stage's head, at ``p`` stages
+    (``gpt``'s tied head: none at one stage, a copy of the word embedding at more)."""
     h, v = inp.hidden, inp.vocab
-    extra = (v + inp.seq) * h if inp.arch == "gpt" else 2 * v * h + h
-    return inp.layers * layer_params(inp) + extra
+    if inp.arch == "gpt":
+        return (v + inp.seq) * h, (v * h if p > 1 or not inp.tied_head else 0)
+    return v * h, v * h + h  # untied head and the final RMSNorm
 
 
 def model_state_bytes(inp: Inputs, params: int, dp: int) -> float:
@@ -75,10 +84,25 @@ def model_state_bytes(inp: Inputs, params: int, dp: int) -> float:
     return params * per_param
 
 
-def _stage_memory(inp: Inputs, mode: str, p: int, b: int, m: int, offload_fraction: float = 1.0) -> float:
+def inflight_layers(layers: int, p: int, m: int, v: int = 1) -> tuple[float, float]:
+    """Layers' worth of one micro-batch's activations the first and the last of ``p`` stages hold
+    at their peak, each stage ``layers`` layers in ``v`` chunks. Plain 1F1B (``v`` 1): the first
+    stage runs ``p`` forwards before its first backward, the last one. Interleaved (Megatron-Core's
+    schedule): a stage's warm-up is ``2(p - 1 - rank) + (v - 1)p`` chunk forwards, so the first stage
+    holds ``2(p - 1) + (v - 1)p + 1`` chunks of ``layers / v`` layers, the last ``(v - 1)p + 1``; at
+    most the ``m v`` chunk forwards there are."""
+    if v == 1:
+        return min(m, p) * layers, layers
+    chunk = layers / v
+    return min(m * v, 2 * (p - 1) + (v - 1) * p + 1) * chunk, min(m * v, (v - 1) * p + 1) * chunk
+
+
+def _stage_memory(inp: Inputs, mode: str, p: int, b: int, m: int, offload_fraction: float = 1.0,
+                  virtual: int = 1) -> float:
     """Peak bytes on the busier of the first and last pipeline stage: model states, what the mode
-    keeps through the step (``first``/``last``: saves or checkpoints), and what one block's backward
-    adds (``work``: its gradients; under checkpointing the recomputed block, ``block_working_bytes``).
+    keeps through the step (``first``/``last``: saves or checkpoints, of the micro-batches in flight:
+    ``inflight_layers``, ``virtual`` chunks a stage), and what one block's backward adds (``work``: its
+    gradients; under checkpointing the recomputed block, ``block_working_bytes``).
 
     The head's saves and one chunk's logits (``head_activation_bytes``) come on top of that for
     ``gpt`` (as the model always counted them). For ``llama`` the head's backward comes first and
@@ -86,7 +110,7 @@ def _stage_memory(inp: Inputs, mode: str, p: int, b: int, m: int, offload_fracti
     moment (its saves and the gradient of its input, ``dsbh``) and a block's."""
     s, h, v, d = inp.seq, inp.hidden, inp.vocab, inp.dtype_bytes
     layers = math.ceil(inp.layers / p)
-    inflight = min(m, p)
+    first_units, last_units = inflight_layers(layers, p, m, virtual)
     act = inp.act_layer(b)
     ckpt = d * s * b * h  # one block's input: what checkpointing keeps
     # Llama's working set counts the recomputed block's input, which is one of the checkpoints: once.
@@ -97,10 +121,10 @@ def _stage_memory(inp: Inputs, mode: str, p: int, b: int, m: int, offload_fracti
     own_input = ckpt if inp.arch == "llama" or layer else 0
     if mode == "baseline":
         work = _backward_grad_bytes(inp, b)
-        first_keep, last_keep = layers * inflight * act, layers * act
+        first_keep, last_keep = first_units * act, last_units * act
     elif mode in ("recompute", "recompute+tiled", "recompute+tiled-layer", "recompute+tiled-heads"):
         work = block_working_bytes(inp, b, tiled=mode == "recompute+tiled", layer=layer, heads=heads) - own_input
-        first_keep, last_keep = layers * inflight * ckpt, layers * ckpt
+        first_keep, last_keep = first_units * ckpt, last_units * ckpt
     elif mode in ("recompute+offload", "recompute+offload+tiled", "recompute+offload+tiled-layer",
                   "recompute+offload+tiled-heads"):
         # Every block input leaves the GPU (host tier, then drives) but the ones in flight.
@@ -110,21 +134,17 @@ def _stage_memory(inp: Inputs, mode: str, p: int, b: int, m: int, offload_fracti
         # A fraction f of the activations goes to the drive; the rest stays like baseline's.
         work = _backward_grad_bytes(inp, b)
         window = min(layers, OFFLOAD_RESIDENT_LAYERS) * act if offload_fraction > 0 else 0
-        first_keep = (1 - offload_fraction) * layers * inflight * act + window
-        last_keep = (1 - offload_fraction) * layers * act + window
+        first_keep = (1 - offload_fraction) * first_units * act + window
+        last_keep = (1 - offload_fraction) * last_units * act + window
     else:
         raise ValueError(f"unknown mode {mode!r}; choose one of {MODES + MODES_TILED}")
     head_act = head_activation_bytes(s, h, v, b, dtype_bytes=d, loss_chunk=inp.loss_chunk)
-    if inp.arch == "gpt":
-        embed, head = (v + s) * h, (v * h if p > 1 else 0)  # learned positions; the head tied
-        last_peak = work + head_act
-    else:
-        embed, head = v * h, v * h + h  # untied head and the final RMSNorm
-        last_peak = max(work, head_act + ckpt)
+    last_peak = work + head_act if inp.arch == "gpt" else max(work, head_act + ckpt)
+    embed, head = _edges(inp, p)
     dp = max(1, inp.gpus // p)
     block = layers * layer_params(inp)
     if p == 1:
-        return model_state_bytes(inp, block + embed + (head if inp.arch != "gpt" else 0), dp) + first_keep + last_peak
+        return model_state_bytes(inp, block + embed + head, dp) + first_keep + last_peak
     first = model_state_bytes(inp, block + embed, dp) + first_keep + work
     last = model_state_bytes(inp, block + head, dp) + last_keep + last_peak
     return max(first, last)
@@ -134,22 +154,22 @@ def _usable_bytes(inp: Inputs) -> float:
     return inp.gpu_mem_gib * GIB * (1 - RESERVE_FRACTION)
 
 
-def _offload_fraction(inp: Inputs, p: int, b: int, m: int) -> float:
+def _offload_fraction(inp: Inputs, p: int, b: int, m: int, v: int = 1) -> float:
     """Smallest share of the activations that must go to the drive for the stage to fit.
 
     0 if everything fits in memory (then nothing is written), 1 if even full offload does not
     fit (the caller rejects the point). Memory is linear in the fraction on each stage.
     """
     usable = _usable_bytes(inp)
-    if _stage_memory(inp, "offload", p, b, m, 0.0) <= usable:
+    if _stage_memory(inp, "offload", p, b, m, 0.0, v) <= usable:
         return 0.0
-    full = _stage_memory(inp, "offload", p, b, m, 1.0)
+    full = _stage_memory(inp, "offload", p, b, m, 1.0, v)
     if full > usable:
         return 1.0
     lo, hi = 0.0, 1.0  # memory(lo) > usable >= memory(hi)
     for _ in range(40):
         mid = (lo + hi) / 2
-        if _stage_memory(inp, "offload", p, b, m, mid) <= usable:
+        if _stage_memory(inp, "offload", p, b, m, mid, v) <= usable:
             hi = mid
         else:
             lo = mid
@@ -157,13 +177,17 @@ def _offload_fraction(inp: Inputs, p: int, b: int, m: int) -> float:
 
 
 def evaluate(
-    inp: Inputs, mode: str, p: int, b: int, *, offload_fraction: float | None = None
+    inp: Inputs, mode: str, p: int, b: int, *, offload_fraction: float | None = None, virtual: int = 1
 ) -> Config | None:
-    """The point (mode, p stages, micro-batch b), or ``None`` if it is not a valid split.
+    """The point (mode, p stages of ``virtual`` chunks each, micro-batch b), or ``None`` if it is
+    not a valid split (interleaving: more than one stage, each stage's layers a multiple of the
+    chunks, the micro-batches a multiple of the stages, as Megatron-Core requires).
 
     For ``offload`` the point writes the smallest share of activations that makes it fit,
     unless ``offload_fraction`` forces one; memory is not checked here (see
-    :func:`best_config`).
+    :func:`best_config`). A slot is one micro-batch's forward and backward on the slowest stage at
+    ``inp.rate(b)``; a step is ``m + (p - 1)/v`` slots (the interleaved schedule's bubble is ``v``
+    times shorter: its warm-up and drain run chunks of ``1/v`` of a stage).
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}")
@@ -173,36 +197,51 @@ def evaluate(
     if inp.global_batch % (dp * b):
         return None
     m = inp.global_batch // (dp * b)
+    if virtual > 1 and (p == 1 or inp.layers % (p * virtual) or m % p):
+        return None
     s, h, v = inp.seq, inp.hidden, inp.vocab
     layers = math.ceil(inp.layers / p)
-    fwd_layer = layer_forward_flops(inp)
-    layer_factor = 4 if mode == "recompute" else 3
-    # The slowest stage: its layers plus the LM head (the last stage's share).
-    slot = b * (layers * fwd_layer * layer_factor + 3 * 2 * s * h * v) / (inp.tflops * 1e12)
+    # The slowest stage: its layers plus the LM head (the last stage's share); backward twice the
+    # forward's FLOPs, and under recompute the layers' forward again.
+    forward = layers * layer_forward_flops(inp) + 2 * s * h * v
+    again = layers * layer_forward_flops(inp) if mode == "recompute" else 0
+    slot = b * ((forward + again) / inp.rate(b) + 2 * forward / inp.backward_rate(b)) / 1e12
     fraction = 0.0
     written = 0
     required = 0.0
     stall = 0.0
     if mode == "offload":
-        fraction = _offload_fraction(inp, p, b, m) if offload_fraction is None else offload_fraction
+        fraction = _offload_fraction(inp, p, b, m, virtual) if offload_fraction is None else offload_fraction
         per_mb = fraction * layers * inp.act_layer(b)
         written = int(per_mb * m)
         required = per_mb / slot / 1e9
         stall = m * max(0.0, per_mb / (inp.drive_gbps * inp.drives * 1e9) - slot)
+    allreduce = _allreduce_s(inp, p, dp)
     return Config(
         mode=mode,
         stages=p,
         data_parallel=dp,
         micro_batch=b,
         num_microbatches=m,
-        bubble_fraction=(p - 1) / (m + p - 1),
-        memory_gib=_stage_memory(inp, mode, p, b, m, fraction) / GIB,
-        step_time_s=(m + p - 1) * slot + stall,
+        bubble_fraction=(p - 1) / (virtual * m + p - 1),
+        memory_gib=_stage_memory(inp, mode, p, b, m, fraction, virtual) / GIB,
+        step_time_s=(m + (p - 1) / virtual) * slot + stall + allreduce,
         stall_s=stall,
         offload_fraction=fraction,
         written_bytes_per_step=written,
         required_write_gbps=required,
+        virtual_stages=virtual,
     )
+
+
+def _allreduce_s(inp: Inputs, p: int, dp: int) -> float:
+    """Seconds of the data-parallel gradient all-reduce of the larger stage (ring: ``2 (dp - 1)/dp``
+    of its trained parameters' gradients over ``inp.allreduce_gbps``); 0 when it is not modelled."""
+    if dp == 1 or not inp.allreduce_gbps:
+        return 0.0
+    embed, head = _edges(inp, p)
+    params = math.ceil(inp.layers / p) * layer_params(inp) + (embed + head if p == 1 else max(embed, head))
+    return 2 * (dp - 1) / dp * params * inp.trainable_fraction * inp.dtype_bytes / (inp.allreduce_gbps * 1e9)
 
 
 def _stage_counts(inp: Inputs) -> list[int]:
@@ -231,7 +270,8 @@ def max_micro_batch(inp: Inputs, mode: str, p: int) -> int:
 
 
 def best_config(inp: Inputs, mode: str) -> Config | None:
-    """Fastest fitting configuration for the global batch (ties: fewer stages, larger micro-batch)."""
+    """Fastest fitting configuration for the global batch (ties: fewer stages, fewer chunks a stage,
+    larger micro-batch); interleaved ones too where ``inp.virtual_stages`` allows them."""
     usable_gib = _usable_bytes(inp) / GIB
     best = None
     for p in _stage_counts(inp):
@@ -240,10 +280,11 @@ def best_config(inp: Inputs, mode: str) -> Config | None:
             continue
         per_replica = inp.global_batch // dp
         for b in _divisors(per_replica):
-            cfg = evaluate(inp, mode, p, b)
-            if cfg is None or cfg.memory_gib > usable_gib:
-                continue
-            key = (float(f"{cfg.step_time_s:.9g}"), cfg.stages, -cfg.micro_batch)
-            if best is None or key < best[0]:
-                best = (key, cfg)
+            for virtual in sorted({1, inp.virtual_stages}):
+                cfg = evaluate(inp, mode, p, b, virtual=virtual)
+                if cfg is None or cfg.memory_gib > usable_gib:
+                    continue
+                key = (float(f"{cfg.step_time_s:.9g}"), cfg.stages, virtual, -cfg.micro_batch)
+                if best is None or key < best[0]:
+                    best = (key, cfg)
     return None if best is None else best[1]
