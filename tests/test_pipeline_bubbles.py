@@ -158,3 +158,25 @@ def test_rounds_time_the_calibration_the_best_and_the_planners_choice():
                          ("offload", one)]
     differ = pipeline_bubbles.timed({"offload": one}, {"offload": dict(one, micro_batch=1)}, ["offload"], 1)
     assert differ[0] == [("offload", one), ("offload", dict(one, micro_batch=1))]
+
+
+def test_megatron_interleaved_schedule_holds_what_the_planner_counts(tmp_path):
+    """The planner's memory of the interleaved schedule (``inflight_layers``: the chunk forwards a
+    stage runs before its first backward, plus one) is what Megatron-Core's schedule does: the
+    most forwards not yet backward on each stage, from the probe's timeline."""
+    if not _installed("megatron.core"):
+        pytest.skip("megatron.core is not installed")
+    from ssdtrain.planner.plan_model import inflight_layers
+
+    rec = pipeline_bubbles.probe("megatron", "baseline", {"stages": 2, "virtual": 2, "micro_batch": 1}, _args(tmp_path))
+    assert "error" not in rec, rec.get("error")
+    held = {}
+    for stage, events in rec["events_by_stage"].items():
+        n = most = 0
+        for kind, _, _, _ in events:
+            n += 1 if kind == "F" else -1
+            most = max(most, n)
+        held[stage] = most
+    per_stage = SHAPE.layers // 2  # 2 layers a stage, a chunk of 1
+    first, last = inflight_layers(per_stage, 2, rec["microbatches"], 2)
+    assert (held["0"], held["1"]) == (first / (per_stage / 2), last / (per_stage / 2)) == (5, 3)
