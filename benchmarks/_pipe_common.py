@@ -66,6 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=3, help="measured steps")
     p.add_argument("--warmup", type=int, default=1, help="steps before the measured ones")
     p.add_argument("--storage", required=True, help="a directory for the offloaded activations")
+    p.add_argument("--offload-config", default="{}", type=json.loads,
+                   help="OffloadConfig fields for the offload modes beside the benchmark's (JSON), e.g. "
+                   '\'{"when_full": "wait", "max_inflight_bytes": 67108864}\': memory first, at the drive\'s pace')
     p.add_argument("--out", required=True, help="a directory for rank<N>.json")
     p.add_argument("--timeout", type=float, default=300.0, help="gloo's timeout, seconds")
     return p
@@ -173,7 +176,8 @@ def header(args: argparse.Namespace, engine: str, world: int) -> dict:
 
 
 STAT_FIELDS = ("written_bytes", "read_bytes", "forwarded_bytes", "kept_bytes", "stall_seconds", "read_stall_seconds",
-               "backpressure_stall_seconds", "writes", "reads", "prefetch_misses", "drive_write_bps")
+               "backpressure_stall_seconds", "backpressure_waits", "writes", "reads", "prefetch_misses",
+               "drive_write_bps")
 
 
 def offload_stats(stats) -> dict:

@@ -143,7 +143,7 @@ def ds_config(args: argparse.Namespace, microbatches: int, rank: int) -> dict:
         # min_bytes 0: most of the benchmark's activations are small (a block's input is 256 KiB
         # at the default shape and micro-batch 1), below the default threshold of 1 MiB.
         config["ssdtrain"] = {"enabled": True, "backend": "posix", "min_bytes": 0,
-                              "path": os.path.join(args.storage, f"rank{rank}")}
+                              "path": os.path.join(args.storage, f"rank{rank}"), **args.offload_config}
     return config
 
 

@@ -116,7 +116,8 @@ def main(argv=None) -> int:
         stage = parallel_state.get_pipeline_model_parallel_rank()
         # min_bytes 0: the benchmark's model is small (a layer's input is 512 KiB at the default shape
         # and micro-batch 1), below the default threshold of 1 MiB
-        handle = (ssd_megatron.patch(path=os.path.join(args.storage, f"rank{rank}"), backend="posix", min_bytes=0)
+        handle = (ssd_megatron.patch(path=os.path.join(args.storage, f"rank{rank}"), backend="posix", min_bytes=0,
+                                     **args.offload_config)
                   if "offload" in args.mode else None)
         timeline = common.Timeline()
         plain = (schedules.forward_step, schedules.backward_step)

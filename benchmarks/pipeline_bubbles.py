@@ -73,12 +73,12 @@ def probe(engine: str, mode: str, cfg: dict, args: argparse.Namespace) -> dict:
                "--chunks", str(cfg["virtual"]), "--micro-batch", str(cfg["micro_batch"]),
                "--global-batch", str(args.global_batch), "--shape", json.dumps(asdict(args.shape)),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--storage", os.path.join(tmp, "store"),
-               "--out", out_dir]
+               "--out", out_dir, "--offload-config", json.dumps(args.offload_config)]
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD), OMP_NUM_THREADS="1")
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
         rec = {"engine": engine, "mode": mode, **cfg, "global_batch": args.global_batch,
-               "shape": asdict(args.shape), "wall_s": time.perf_counter() - t0}
+               "shape": asdict(args.shape), "offload_config": args.offload_config, "wall_s": time.perf_counter() - t0}
         ranks = []
         for r in range(RANKS):
             path = os.path.join(out_dir, f"rank{r}.json")
@@ -196,6 +196,9 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds a launch")
     p.add_argument("--storage", default=None, help="where the offloaded activations go (default: the temp dir)")
+    p.add_argument("--offload-config", default="{}",
+                   help="OffloadConfig fields for the offload modes (JSON), e.g. '{\"when_full\": \"wait\", "
+                        "\"max_inflight_bytes\": 67108864}': a hard budget, at the drive's pace (default: ssdtrain's)")
     p.add_argument("--out", default=None, help="append each probe's record here (JSON lines)")
     p.add_argument("--report", default=None, help="print the tables of a finished run's --out and stop")
     p.add_argument("--searched", default=None,
@@ -210,6 +213,12 @@ def main(argv=None) -> int:
     if args.budget_mib is None or args.budget_mib <= 0:
         p.error("--budget-mib: give each rank's budget in MiB (a positive number)")
     args.shape = common.Shape(**json.loads(args.shape))
+    try:
+        args.offload_config = json.loads(args.offload_config)
+    except json.JSONDecodeError as e:
+        p.error(f"--offload-config: not JSON ({e}); give OffloadConfig fields, e.g. '{{\"when_full\": \"wait\"}}'")
+    if not isinstance(args.offload_config, dict):
+        p.error("--offload-config: give a JSON object of OffloadConfig fields")
     engines, modes = args.engines.split(","), args.modes.split(",")
     for e in engines:
         if e not in SCRIPTS:

@@ -34,9 +34,9 @@ def _installed(module: str) -> bool:
             return False
 
 
-def _args(tmp_path) -> argparse.Namespace:
+def _args(tmp_path, offload_config=None) -> argparse.Namespace:
     return argparse.Namespace(shape=SHAPE, global_batch=GLOBAL_BATCH, steps=1, warmup=0, timeout=600,
-                              storage=str(tmp_path), budget_mib=10**6)
+                              storage=str(tmp_path), budget_mib=10**6, offload_config=offload_config or {})
 
 
 def first_stage_order(stages: int, m: int) -> list[tuple[str, int]]:
@@ -72,10 +72,11 @@ def test_every_configuration_trains_the_same_sequences():
 def test_smallest_pipeline_with_and_without_offloading(engine, module, tmp_path):
     if not _installed(module):
         pytest.skip(f"{module} is not installed")
-    args = _args(tmp_path)
     cfg = {"stages": 2, "virtual": 1, "micro_batch": 1}
-    plain = pipeline_bubbles.probe(engine, "baseline", cfg, args)
-    off = pipeline_bubbles.probe(engine, "offload", cfg, args)
+    plain = pipeline_bubbles.probe(engine, "baseline", cfg, _args(tmp_path))
+    # --offload-config reaches the offloader: memory first, a write queue of 4 KiB (every save waits its turn)
+    strict = {"when_full": "wait", "max_inflight_bytes": 4096}
+    off = pipeline_bubbles.probe(engine, "offload", cfg, _args(tmp_path, strict))
     for rec in (plain, off):
         assert "error" not in rec, rec.get("error")
         assert rec["microbatches"] == 4 and rec["dp"] == 1
@@ -96,6 +97,8 @@ def test_smallest_pipeline_with_and_without_offloading(engine, module, tmp_path)
     # the offloader's counters come with each rank's record
     assert sum(r["offload_stats"]["written_bytes"] for r in off["ranks"]) == off["offloaded_bytes"]
     assert all(r["offload_stats"] == {} for r in plain["ranks"])
+    assert off["offload_config"] == strict
+    assert all(r["offload_stats"]["backpressure_waits"] > 0 and r["offload_stats"]["kept_bytes"] == 0 for r in off["ranks"])
 
 
 # --- the planner beside the measurements (benchmarks/_pipe_planner.py) ---------------------------
