@@ -82,8 +82,10 @@ def choices(records: list[dict], budget_mib: float, engine: str) -> dict[str, di
     """Each planner mode's chosen configuration, as the benchmark names one (``stages``,
     ``virtual``, ``micro_batch``), with its predicted step and peak."""
     inp = calibrated(records, budget_mib, engine)
-    if inp is None:
-        return {}
+    return {} if inp is None else _chosen(inp)
+
+
+def _chosen(inp: Inputs) -> dict[str, dict]:
     out = {}
     for mode in MODES:
         cfg = best_config(inp, mode)
@@ -120,7 +122,7 @@ def beside(records: list[dict], budget_mib: float, engine: str) -> list[str]:
     if errors:
         lines.append(f"  predicted peak against measured, {len(errors)} probes: median {statistics.median(errors):+.0%}, "
                      f"from {min(errors):+.0%} to {max(errors):+.0%}")
-    chosen = choices(records, budget_mib, engine)
+    chosen = _chosen(inp)
     overall = []
     for mode in MODES:
         medians = _medians(ok, mode)

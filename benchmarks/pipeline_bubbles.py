@@ -167,16 +167,30 @@ def report(records: list[dict], budget_mib: float) -> str:
     return "\n".join(lines)
 
 
+def _cfg(rec: dict) -> dict:
+    """The configuration a record or a choice names, as ``probe`` takes it."""
+    return {k: rec[k] for k in ("stages", "virtual", "micro_batch")}
+
+
+def _fastest(records: list[dict]) -> dict[str, dict]:
+    """Each mode's record that fits with the most tokens a second (the first of equals)."""
+    best = {}
+    for rec in records:
+        if rec.get("fits") and rec["tokens_per_s"] > best.get(rec["mode"], {}).get("tokens_per_s", 0):
+            best[rec["mode"]] = rec
+    return best
+
+
 def timed(best: dict, chosen: dict, modes: list[str], rounds: int,
           calibration: list[dict] = ()) -> list[list[tuple[str, dict]]]:
     """The timing rounds: in each, every mode's best from the search, and beside it the planner's
     choice where that differs, the modes alternated; first the ``calibration`` configurations
     (baseline), which give the planner its compute rates."""
-    order = [("baseline", {k: c[k] for k in ("stages", "virtual", "micro_batch")}) for c in calibration]
+    order = [("baseline", _cfg(c)) for c in calibration]
     for mode in modes:
         for rec in (best.get(mode), chosen.get(mode)):
             if rec is not None:
-                cfg = {k: rec[k] for k in ("stages", "virtual", "micro_batch")}
+                cfg = _cfg(rec)
                 if (mode, cfg) not in order:
                     order.append((mode, cfg))
     return [order for _ in range(rounds)]
@@ -246,25 +260,18 @@ def main(argv=None) -> int:
         with open(args.searched) as f:
             earlier = [json.loads(line) for line in f if line.strip()]
     for engine in engines:
-        best = {}
         if earlier:  # the earlier run's probes stand for the search
-            for rec in earlier:
-                if rec["engine"] == engine and rec["mode"] in modes and "error" not in rec:
-                    rec = dict(rec, fits=rec["peak_bytes"] <= args.budget_mib * 2**20, budget_mib=args.budget_mib)
-                    records.append(rec)
-                    if rec["fits"] and rec["tokens_per_s"] > best.get(rec["mode"], {}).get("tokens_per_s", 0):
-                        best[rec["mode"]] = rec
+            searched = [dict(rec, fits=rec["peak_bytes"] <= args.budget_mib * 2**20, budget_mib=args.budget_mib)
+                        for rec in earlier if rec["engine"] == engine and rec["mode"] in modes and "error" not in rec]
+            records.extend(searched)
         else:
             wanted = configs(engine, args.global_batch)
             if args.configs:
                 names = set(args.configs.split(","))
                 wanted = [c for c in wanted
                           if f"pp{c['stages']}{'x2' if c['virtual'] > 1 else ''}mb{c['micro_batch']}" in names]
-            for mode in modes:
-                for cfg in wanted:
-                    rec = run(engine, mode, cfg)
-                    if rec.get("fits") and (mode not in best or rec["tokens_per_s"] > best[mode]["tokens_per_s"]):
-                        best[mode] = rec
+            searched = [run(engine, mode, cfg) for mode in modes for cfg in wanted]
+        best = _fastest(searched)
         calibration = [c for c in configs(engine, args.global_batch) if c["stages"] == 1]
         for cfg_by_mode in timed(best, planner.choices(records, args.budget_mib, engine), modes, args.rounds,
                                  calibration):

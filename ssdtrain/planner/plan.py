@@ -307,12 +307,13 @@ def _tflops_at(text: str | None) -> tuple:
     pairs = []
     for item in text.split(","):
         b, sep, rate = item.partition(":")
+        bad = ValueError(f"--tflops-at: {item!r} is not MICRO_BATCH:TFLOPS (e.g. 2:380)")
+        if not sep:
+            raise bad
         try:
             pairs.append((int(b), float(rate)))
         except ValueError:
-            raise ValueError(f"--tflops-at: {item!r} is not MICRO_BATCH:TFLOPS (e.g. 2:380)") from None
-        if not sep:
-            raise ValueError(f"--tflops-at: {item!r} is not MICRO_BATCH:TFLOPS (e.g. 2:380)")
+            raise bad from None
     return tuple(pairs)
 
 

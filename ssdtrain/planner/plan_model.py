@@ -154,22 +154,22 @@ def _usable_bytes(inp: Inputs) -> float:
     return inp.gpu_mem_gib * GIB * (1 - RESERVE_FRACTION)
 
 
-def _offload_fraction(inp: Inputs, p: int, b: int, m: int, v: int = 1) -> float:
+def _offload_fraction(inp: Inputs, p: int, b: int, m: int, virtual: int = 1) -> float:
     """Smallest share of the activations that must go to the drive for the stage to fit.
 
     0 if everything fits in memory (then nothing is written), 1 if even full offload does not
     fit (the caller rejects the point). Memory is linear in the fraction on each stage.
     """
     usable = _usable_bytes(inp)
-    if _stage_memory(inp, "offload", p, b, m, 0.0, v) <= usable:
+    if _stage_memory(inp, "offload", p, b, m, 0.0, virtual) <= usable:
         return 0.0
-    full = _stage_memory(inp, "offload", p, b, m, 1.0, v)
+    full = _stage_memory(inp, "offload", p, b, m, 1.0, virtual)
     if full > usable:
         return 1.0
     lo, hi = 0.0, 1.0  # memory(lo) > usable >= memory(hi)
     for _ in range(40):
         mid = (lo + hi) / 2
-        if _stage_memory(inp, "offload", p, b, m, mid, v) <= usable:
+        if _stage_memory(inp, "offload", p, b, m, mid, virtual) <= usable:
             hi = mid
         else:
             lo = mid
@@ -203,8 +203,9 @@ def evaluate(
     layers = math.ceil(inp.layers / p)
     # The slowest stage: its layers plus the LM head (the last stage's share); backward twice the
     # forward's FLOPs, and under recompute the layers' forward again.
-    forward = layers * layer_forward_flops(inp) + 2 * s * h * v
-    again = layers * layer_forward_flops(inp) if mode == "recompute" else 0
+    blocks = layers * layer_forward_flops(inp)
+    forward = blocks + 2 * s * h * v
+    again = blocks if mode == "recompute" else 0
     slot = b * ((forward + again) / inp.rate(b) + 2 * forward / inp.backward_rate(b)) / 1e12
     fraction = 0.0
     written = 0
