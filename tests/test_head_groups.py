@@ -13,7 +13,8 @@ import torch
 
 import ssdtrain
 import ssdtrain.longctx.head_groups as HG
-from ssdtrain.bench.models import Llama, LlamaConfig, tile_layers
+from ssdtrain.bench.models import Llama, LlamaConfig
+from ssdtrain.bench.tiled_models import tile_layers
 from ssdtrain.longctx.head_groups import grouped_layer
 from ssdtrain.longctx.tiled import tile_bounds
 from tests.test_tiled_layer import _step

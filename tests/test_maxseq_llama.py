@@ -7,7 +7,8 @@ import torch
 
 from ssdtrain.bench import maxseq
 from ssdtrain.bench.command import main as bench_main
-from ssdtrain.bench.models import Llama, LlamaConfig, tile_mlps
+from ssdtrain.bench.models import Llama, LlamaConfig
+from ssdtrain.bench.tiled_models import tile_mlps
 
 from _equiv import step
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import ssdtrain
-from ssdtrain.bench.models import Llama, LlamaConfig, tile_layers, tile_mlps
+from ssdtrain.bench.models import Llama, LlamaConfig
+from ssdtrain.bench.tiled_models import tile_layers, tile_mlps
 from ssdtrain.longctx.tiled import tile_bounds
 from ssdtrain.longctx.tiled_layer import params_of, tiled_parts
 

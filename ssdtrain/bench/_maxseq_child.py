@@ -21,8 +21,9 @@ def _child(spec: dict) -> dict:
 
     from ssdtrain.bench import _device
     from ssdtrain.bench._measure import RssSampler
-    from ssdtrain.bench.models import make_model, tile_layers, tile_mlps
+    from ssdtrain.bench.models import make_model
     from ssdtrain.bench.modes import Mode, offloader_factory
+    from ssdtrain.bench.tiled_models import block_sizes, tile_layers, tile_mlps
 
     cfg = _config(spec.get("arch", "gpt"), spec["model"])
     name, tiled = base_mode(spec["mode"])
@@ -38,7 +39,13 @@ def _child(spec: dict) -> dict:
             torch.cuda.set_per_process_memory_fraction(spec["budget"] / total, dev)
         model = make_model(cfg).to(dtype).to(dev)
         if tiled in ("layer", "heads"):
-            tile_layers(model, spec.get("tile_tokens"), (spec.get("head_groups") or cfg.heads) if tiled == "heads" else None)
+            heads = tiled == "heads"
+            groups, memory = (spec.get("head_groups") or cfg.heads) if heads else None, spec.get("layer_memory")
+            tile_layers(model, spec.get("tile_tokens"), groups, memory if heads else None)
+            if heads and memory:  # what the layers take at this length (ssdtrain.longctx.sizing)
+                like = torch.empty((spec["batch"], cfg.seq, cfg.hidden), dtype=dtype, device="meta")
+                out["tile_tokens"], out["head_groups"] = block_sizes(model.blocks[0], like, spec.get("tile_tokens"),
+                                                                     groups, memory)
         elif tiled:
             tile_mlps(model, spec.get("tile_tokens"))
         mode = Mode(name, model, offloader_factory(spec.get("path"), None))
@@ -195,7 +202,8 @@ def _blocks_child(spec: dict) -> dict:
 
     from ssdtrain.bench import _device
     from ssdtrain.bench._measure import RssSampler
-    from ssdtrain.bench.models import make_model, tile_layers, tile_mlps
+    from ssdtrain.bench.models import make_model
+    from ssdtrain.bench.tiled_models import tile_layers, tile_mlps
 
     cfg = _config(spec.get("arch", "gpt"), spec["model"]).replace(layers=1)
     dev = _device.resolve_device(spec["device"])

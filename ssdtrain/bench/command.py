@@ -99,6 +99,11 @@ def _parser() -> argparse.ArgumentParser:
     long.add_argument("--head-groups", type=int,
                       help="the +tiled-heads modes: groups of query heads attention runs one at a time (default: "
                       "one head a group); must divide --heads")
+    long.add_argument("--layer-memory", type=_size, metavar="SIZE",
+                      help="the +tiled-heads modes: what a recomputed layer may hold; at each sequence a layer then "
+                      "takes fewer head groups and longer tiles where they fit, down to --head-groups and "
+                      "--tile-tokens where nothing coarser does (ssdtrain.longctx.sizing; default: half of "
+                      "--memory-budget; 0: never, always those)")
     long.add_argument("--pairs", type=int, default=2,
                       help="alternated rounds of recompute and each other recompute mode at recompute's longest "
                       "sequence, for the step ratios (default 2)")
@@ -170,6 +175,8 @@ def _max_seq(ns: argparse.Namespace) -> int:
                          "tiles with +tiled)")
     if ns.head_groups is not None and (ns.head_groups < 1 or not any(base_mode(m)[1] == "heads" for m in modes)):
         raise ValueError(f"--head-groups ({ns.head_groups}) is a positive int for the +tiled-heads modes")
+    if ns.layer_memory is not None and (ns.layer_memory < 0 or not any(base_mode(m)[1] == "heads" for m in modes)):
+        raise ValueError(f"--layer-memory ({ns.layer_memory}) is a size >= 0 for the +tiled-heads modes")
     if ns.tile_tokens is not None and ns.tile_tokens < 1:
         raise ValueError(f"--tile-tokens must be a positive int, got {ns.tile_tokens}")
     if ns.kv_heads is not None and not llama:
@@ -188,7 +195,7 @@ def _max_seq(ns: argparse.Namespace) -> int:
     args = MaxSeqArgs(model=model, device=str(dev), dtype=ns.dtype or default_dtype(dev), batch=ns.batch or 1,
                       modes=modes, budget_bytes=ns.memory_budget if gpu else (ns.memory_budget or DEFAULT_BUDGET),
                       start=start, limit=ns.max_seq_limit, path=ns.path, progress=progress, pairs=ns.pairs,
-                      tile_tokens=ns.tile_tokens, head_groups=ns.head_groups,
+                      tile_tokens=ns.tile_tokens, head_groups=ns.head_groups, layer_memory=ns.layer_memory,
                       partial=None if not ns.json else lambda r: _outputs(ns, r, None, ""))
     from ssdtrain.bench.maxseq import run_max_seq
 

@@ -46,10 +46,10 @@ LLAMA_MAX_SEQ_MODES = ("recompute", "recompute+tiled", "recompute+offload", "rec
 with offloading, beside checkpointing alone and checkpointing with offloading."""
 TILED = "+tiled"
 """A mode name's suffix: the bench mode before it, every block's MLP tiled along the sequence
-(:func:`ssdtrain.bench.models.tile_mlps`)."""
+(:func:`ssdtrain.bench.tiled_models.tile_mlps`)."""
 TILED_LAYER = "+tiled-layer"
 """A mode name's suffix: the bench mode before it, every block tiled whole along the sequence,
-attention over the whole of it (:func:`ssdtrain.bench.models.tile_layers`; Llama-shaped only)."""
+attention over the whole of it (:func:`ssdtrain.bench.tiled_models.tile_layers`; Llama-shaped only)."""
 TILED_HEADS = "+tiled-heads"
 """A mode name's suffix: as :data:`TILED_LAYER`, and attention one query head at a time (its q, k,
 v, output and their gradients one head's at a time: :mod:`ssdtrain.longctx.head_groups`)."""
@@ -123,6 +123,7 @@ class MaxSeqArgs:
     pairs: int = 2  # alternated rounds (recompute and each other recompute mode) at recompute's longest sequence
     tile_tokens: int | None = None  # the +tiled modes' MLP tile (positions); None: the hidden size (ALST's default)
     head_groups: int | None = None  # the +tiled-heads modes' groups of query heads; None: one head a group
+    layer_memory: int | None = None  # +tiled-heads: a layer's bytes to size to (None: half the budget; 0: never)
     bound: bool = True  # measure one block's bytes at recompute's longest, untiled and tiled, for the bound
     progress: Callable[[str], None] | None = None
     partial: Callable[[dict], None] | None = None  # given the probes so far after each one (a search cut off keeps them)
@@ -132,7 +133,15 @@ class MaxSeqArgs:
         return {"model": dataclasses.asdict(self.model), "arch": arch_of(self.model), "device": self.device,
                 "dtype": self.dtype, "batch": self.batch, "budget_bytes": self.budget_bytes,
                 "tile_tokens": self.tile_tokens or self.model.hidden,
-                "head_groups": self.head_groups or self.model.heads}
+                "head_groups": self.head_groups or self.model.heads, "layer_memory": self.sized_memory()}
+
+    def sized_memory(self) -> int | None:
+        """The bytes a ``+tiled-heads`` layer sizes its groups and tiles to
+        (:mod:`ssdtrain.longctx.sizing`): :attr:`layer_memory`, else half the budget; ``None``: not
+        sized (``layer_memory`` 0, or no budget)."""
+        if self.layer_memory is not None:
+            return self.layer_memory or None
+        return None if self.budget_bytes is None else self.budget_bytes // 2
 
 
 def probe_in_child(spec: dict) -> dict:
@@ -208,7 +217,8 @@ def run_probe(args: MaxSeqArgs, mode: str, seq: int) -> dict:
     process: :func:`probe_in_child`); its result, with ``mode``."""
     spec = {"model": dataclasses.asdict(args.model.replace(seq=seq)), "arch": arch_of(args.model), "mode": mode,
             "device": args.device, "dtype": args.dtype, "batch": args.batch, "budget": args.budget_bytes,
-            "path": args.path, "tile_tokens": args.tile_tokens, "head_groups": args.head_groups}
+            "path": args.path, "tile_tokens": args.tile_tokens, "head_groups": args.head_groups,
+            "layer_memory": args.sized_memory()}
     return dict(probe_in_child(spec), mode=mode)
 
 
@@ -219,6 +229,8 @@ def describe(r: dict) -> str:
     if r.get("over_budget"):
         peak = f"over {peak} when stopped in step {r['stopped_at_step']}"
     line = f"{r['mode']} seq {r['seq']}: {'fits' if r['fits'] else 'does not fit'} (peak {peak}, step {step})"
+    if r.get("head_groups"):  # sized to the layer's memory
+        line += f"; tiles of {r['tile_tokens']}, {r['head_groups']} head groups"
     off = r.get("offload")
     if off:  # where the measured step's saves went
         line += (f"; saved {off['unique_bytes'] / MIB:.0f} MiB: tier {off['host_copied_bytes'] / MIB:.0f}, drive "
@@ -323,6 +335,9 @@ def format_max_seq(result: dict) -> str:
              if any(base_mode(r["mode"])[1] for r in result["max_seq"]) and result.get("tile_tokens") else "")
     if any(base_mode(r["mode"])[1] == "heads" for r in result["max_seq"]) and result.get("head_groups"):
         tiles += f"; +tiled-heads: attention in {result['head_groups']} groups of query heads"
+        if result.get("layer_memory"):
+            tiles += (f", fewer and longer tiles where a layer fits {result['layer_memory'] / MIB:.0f} MiB "
+                      "(ssdtrain.longctx.sizing)")
     lines = [f"longest sequence per mode: {shape}, vocab {m['vocab']}, loss in chunks of {m['loss_chunk']} tokens"
              f"{tiles}; batch {result['batch']}, {result['dtype']}, {result['device']}; limit: {limit}", ""]
     every = result.get("vs_recompute_all") or {}

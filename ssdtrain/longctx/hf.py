@@ -173,7 +173,7 @@ class LongContext:
 
 def long_context(model: nn.Module, *, tile_tokens: int | None = None, loss_chunk: int = 4096,
                  checkpointing: bool = True, offloader: Any = None, tile: str = "mlp",
-                 head_groups: int | None = None) -> LongContext:
+                 head_groups: int | None = None, layer_memory: int | None = None) -> LongContext:
     """Sets a Llama / Mistral / Qwen2 / Qwen3 causal LM up for long sequences (module docstring).
 
     Args:
@@ -185,6 +185,11 @@ def long_context(model: nn.Module, *, tile_tokens: int | None = None, loss_chunk
             heads at a time (:mod:`ssdtrain.longctx.head_groups`): the least memory.
         head_groups: ``tile="heads"``: how many groups (dividing the query heads, and a divisor or a
             multiple of the key/value heads; ``None``: one per key/value head).
+        layer_memory: ``tile="heads"``: the bytes a recomputed layer may hold. At each sequence
+            length a layer then takes the fewest groups and the longest tiles that fit it, as the
+            planner models the layer (:mod:`ssdtrain.longctx.sizing`), and ``head_groups`` groups of
+            ``tile_tokens`` positions where nothing coarser does: a sequence whose layer fits whole
+            is not cut up. ``None``: always ``head_groups`` and ``tile_tokens``.
         loss_chunk: tokens per chunk of the loss; ``0``: the model's own loss.
         checkpointing: turn per-layer activation checkpointing on (non-reentrant) if it is off.
         offloader: an :class:`ssdtrain.Offloader` (or ``ssdtrain.offload(...)``'s result) that
@@ -208,6 +213,10 @@ def long_context(model: nn.Module, *, tile_tokens: int | None = None, loss_chunk
         raise ValueError(f"tile={tile!r} with tile_tokens=0 tiles nothing: give tile_tokens (None: the hidden size)")
     if head_groups is not None and tile != "heads":
         raise ValueError(f"head_groups is for tile='heads', not tile={tile!r}")
+    if layer_memory is not None and (tile != "heads" or isinstance(layer_memory, bool)
+                                     or not isinstance(layer_memory, int) or layer_memory < 1):
+        raise ValueError(f"layer_memory is a positive int of bytes for tile='heads', got {layer_memory!r} "
+                         f"with tile={tile!r}")
     groups = lm.config.num_key_value_heads if head_groups is None else head_groups
     if tile == "heads":
         from ssdtrain.longctx.hf_layer import check_head_groups
@@ -223,7 +232,8 @@ def long_context(model: nn.Module, *, tile_tokens: int | None = None, loss_chunk
             from ssdtrain.longctx.hf_layer import tile_layer_in_place
 
             for layer in lm.model.layers:
-                done._undo.append(tile_layer_in_place(layer, tile_tokens, groups if tile == "heads" else None))
+                done._undo.append(tile_layer_in_place(layer, tile_tokens, groups if tile == "heads" else None,
+                                                      layer_memory))
                 done.tiled_layers += 1
         elif tile_tokens != 0:
             for layer in lm.model.layers:

@@ -41,10 +41,13 @@ from ssdtrain.longctx.tiled_layer import params_of, tiled_parts
 __all__ = ["check_head_groups", "tile_layer_in_place"]
 
 
-def tile_layer_in_place(layer: nn.Module, tile_tokens: int | None, head_groups: int | None = None) -> Any:
+def tile_layer_in_place(layer: nn.Module, tile_tokens: int | None, head_groups: int | None = None,
+                        layer_memory: int | None = None) -> Any:
     """Tiles ``layer`` (a ``*DecoderLayer`` with ``self_attn``, ``mlp``, ``input_layernorm`` and
     ``post_attention_layernorm``); returns the function that undoes it. ``head_groups``: attention a
-    group of query heads at a time, in that many groups (a divisor of the key/value heads)."""
+    group of query heads at a time, in that many groups (a divisor of the key/value heads).
+    ``layer_memory`` (with ``head_groups``): fewer groups and longer tiles at each sequence length
+    where the layer's backward fits that many bytes (:mod:`ssdtrain.longctx.sizing`)."""
     attn = layer.self_attn
     for name in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "config"):
         if not hasattr(attn, name):
@@ -64,11 +67,24 @@ def tile_layer_in_place(layer: nn.Module, tile_tokens: int | None, head_groups: 
             return original(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                             past_key_values=past_key_values, use_cache=use_cache,
                             position_embeddings=position_embeddings, **kwargs)
-        return _tiled_forward(layer, module, tile_tokens, head_groups, hidden_states, attention_mask,
+        tile, groups = tile_tokens, head_groups
+        if layer_memory is not None and head_groups is not None:
+            tile, groups = _sized(attn, hidden_states, tile_tokens, head_groups, layer_memory)
+        return _tiled_forward(layer, module, tile, groups, hidden_states, attention_mask,
                               position_embeddings, dict(kwargs, position_ids=position_ids, use_cache=use_cache))
 
     forward._ssdtrain_tiled = True  # type: ignore[attr-defined]
     return replace_forward(layer, forward)
+
+
+def _sized(attn: nn.Module, x: torch.Tensor, tile_tokens: int | None, head_groups: int,
+           memory: int) -> tuple[int, int]:
+    from ssdtrain.longctx.sizing import sized_heads
+
+    c, (b, s, h) = attn.config, x.shape
+    return sized_heads(s, b, hidden=h, heads=c.num_attention_heads, kv_heads=c.num_key_value_heads,
+                       ffn_hidden=c.intermediate_size, dtype_bytes=x.element_size(), memory=memory,
+                       tile_tokens=tile_tokens or h, head_groups=head_groups)
 
 
 def check_head_groups(config: Any, groups: Any) -> None:

@@ -1,5 +1,5 @@
 """Long context on a GPU: the Llama-shaped decoder with every layer tiled whole but for attention
-(``ssdtrain.bench.models.tile_layers``), under an offloader with the host tier on: exact against
+(``ssdtrain.bench.tiled_models.tile_layers``), under an offloader with the host tier on: exact against
 itself without one, close to the plain model per parameter class. Deterministic algorithms on: on
 an H200 two runs of a GPT without ssdtrain differed otherwise (2026-11-28)."""
 
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import ssdtrain
-from ssdtrain.bench.models import Llama, LlamaConfig, tile_layers
+from ssdtrain.bench.models import Llama, LlamaConfig
+from ssdtrain.bench.tiled_models import tile_layers
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 CUDA = torch.device("cuda")
