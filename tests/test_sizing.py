@@ -14,7 +14,7 @@ import ssdtrain
 from ssdtrain.bench.command import main as bench_main
 from ssdtrain.bench.tiled_models import block_sizes, tile_layers
 from ssdtrain.longctx.sizing import group_choices, sized_heads
-from ssdtrain.planner.plan_layer import layer_heads_moments
+from ssdtrain.planner.plan_layer import block_working_bytes, layer_heads_moments
 from tests.test_head_groups import _hf, _hf_step, _model
 from tests.test_tiled_layer import _step
 
@@ -34,16 +34,27 @@ def test_group_choices():
     assert group_choices(12, 8) == (1, 2, 4)  # 3, 6, 12: neither divisors nor multiples of 8
 
 
+def _whole(seq: int, shape: dict = SHAPE) -> int:
+    inp = types.SimpleNamespace(arch="llama", seq=seq, hidden=shape["hidden"], heads=shape["heads"],
+                                ffn_hidden=shape["ffn_hidden"], dtype_bytes=shape["dtype_bytes"], flash=True,
+                                kv_dim=shape["hidden"] * shape["kv_heads"] // shape["heads"], tile_tokens=seq)
+    return block_working_bytes(inp)
+
+
 @pytest.mark.parametrize("seq", [300, 2816, 9000, 22528])
-def test_sized_heads_takes_the_fewest_groups_then_the_longest_tiles_that_fit(seq):
-    """Across memories: what it takes fits (by the planner's model) unless it is the finest given; no
-    fewer groups fit with a tile as long as the floor; no fewer tiles fit with its groups; and more
-    memory never takes more groups or, at the same groups, shorter tiles."""
+def test_sized_heads_takes_the_cheapest_form_that_fits(seq):
+    """Across memories: the layer untiled exactly where its model fits; else what it takes fits (by
+    the planner's model) unless it is the finest given; no fewer groups fit with a tile as long as
+    the floor; no fewer tiles fit with its groups; and more memory never takes a finer form."""
     floor, most = 256, 4
     last = None
     for mib in (1, 4, 8, 16, 24, 32, 48, 64, 96, 128, 512):
         memory = mib << 20
-        tile, groups = sized_heads(seq, 1, **SHAPE, memory=memory, tile_tokens=floor, head_groups=most)
+        whole, tile, groups = sized_heads(seq, 1, **SHAPE, memory=memory, tile_tokens=floor, head_groups=most)
+        assert whole == (_whole(seq) <= memory)
+        if whole:
+            last = (seq + 1, 0)  # coarser than any tiling
+            continue
         if (tile, groups) != (min(floor, seq), most):
             assert _peak(seq, tile, groups) <= memory
         for fewer in (g for g in group_choices(4, 1) if g < groups):
@@ -54,8 +65,14 @@ def test_sized_heads_takes_the_fewest_groups_then_the_longest_tiles_that_fit(seq
         if last is not None:
             assert groups <= last[1] and (groups < last[1] or tile >= last[0]), (mib, (tile, groups), last)
         last = tile, groups
-    assert last == (seq, 1)  # ample memory: the layer whole, one group
-    assert sized_heads(seq, 1, **SHAPE, memory=1, tile_tokens=floor, head_groups=most) == (min(floor, seq), most)
+    assert sized_heads(seq, 1, **SHAPE, memory=512 << 20, tile_tokens=floor, head_groups=most) == (True, seq, 1)
+    assert sized_heads(seq, 1, **SHAPE, memory=1, tile_tokens=floor, head_groups=most) == (False, min(floor, seq), most)
+    # eager attention keeps its s x s scores: the untiled layer needs more than with flash
+    needs = next(m for m in range(1, 4096) if sized_heads(seq, 1, **SHAPE, memory=m << 20, tile_tokens=floor,
+                                                          head_groups=most).whole)
+    eager = next(m for m in range(1, 1 << 16) if sized_heads(seq, 1, **SHAPE, memory=m << 20, tile_tokens=floor,
+                                                             head_groups=most, flash=False).whole)
+    assert eager > needs
 
 
 def test_sized_heads_refuses_bad_input():
@@ -72,8 +89,8 @@ def test_bench_llama_sized_equals_the_same_tiles_by_hand(tmp_path):
     model = _model()
     like = torch.empty(2, 384, 64, device="meta")
     sizes = {m << 10: block_sizes(model.blocks[0], like, 100, 4, m << 10) for m in range(64, 4096, 16)}
-    memory = next(m for m, (tile, groups) in sizes.items() if groups == 2 and tile > 100)
-    tile, groups = sizes[memory]
+    memory = next(m for m, (whole, tile, groups) in sizes.items() if not whole and groups == 2 and tile > 100)
+    _, tile, groups = sizes[memory]
     assert groups == 2 and 100 < tile < 384
     tile_layers(model, 100, head_groups=4, layer_memory=memory)
     loss, grads = _step(model, tokens)
@@ -96,15 +113,37 @@ def test_bench_llama_sized_equals_the_same_tiles_by_hand(tmp_path):
         tile_layers(_model(), 100, layer_memory=memory)
 
 
-def test_hf_sized_to_ample_memory_is_one_group_one_tile(tmp_path):
-    """long_context(tile="heads", layer_memory=...) with memory for the whole layer: the gradients of
-    one group of one tile asked for by hand, and with an offloader equal to itself."""
+def test_bench_llama_whole_where_it_fits():
+    """With memory for the untiled layer, the sized model is the plain one, bit for bit."""
+    tokens = torch.randint(0, 256, (2, 384), generator=torch.Generator().manual_seed(3))
+    model = _model()
+    assert block_sizes(model.blocks[0], torch.empty(2, 384, 64, device="meta"), 100, 4, 1 << 30).whole
+    tile_layers(model, 100, head_groups=4, layer_memory=1 << 30)
+    loss, grads = _step(model, tokens)
+    want_loss, want = _step(_model(), tokens)
+    assert torch.equal(loss, want_loss) and all(torch.equal(grads[n], want[n]) for n in want)
+
+
+def test_hf_sized(tmp_path):
+    """long_context(tile="heads", layer_memory=...): with memory for the whole layer, the gradients of
+    the layers untiled (the loss in the same chunks); with less, those of the groups and tiles it
+    takes asked for by hand; with an offloader equal to itself."""
     from ssdtrain.longctx.hf import long_context
-    from tests.test_head_groups import CHUNK, SEQ
+    from ssdtrain.longctx.hf_layer import _sized
+    from tests.test_head_groups import CHUNK
 
     model = long_context(_hf("llama"), tile_tokens=16, loss_chunk=CHUNK, tile="heads", layer_memory=1 << 30).model
     loss, grads = _hf_step(model)
-    by_hand = long_context(_hf("llama"), tile_tokens=SEQ, loss_chunk=CHUNK, tile="heads", head_groups=1).model
+    untiled = long_context(_hf("llama"), tile_tokens=0, loss_chunk=CHUNK).model
+    want_loss, want = _hf_step(untiled)
+    assert torch.equal(loss, want_loss) and all(torch.equal(grads[n], want[n]) for n in want)
+    attn, like = model.model.layers[0].self_attn, torch.empty(2, 128, 64, device="meta")
+    memory = next(m << 10 for m in range(16, 4096, 16) if not _sized(attn, like, 16, 2, m << 10).whole
+                  and _sized(attn, like, 16, 2, m << 10)[1:] != (16, 2))
+    _, tile, groups = _sized(attn, like, 16, 2, memory)
+    model = long_context(_hf("llama"), tile_tokens=16, loss_chunk=CHUNK, tile="heads", layer_memory=memory).model
+    loss, grads = _hf_step(model)
+    by_hand = long_context(_hf("llama"), tile_tokens=tile, loss_chunk=CHUNK, tile="heads", head_groups=groups).model
     want_loss, want = _hf_step(by_hand)
     assert torch.equal(loss, want_loss) and all(torch.equal(grads[n], want[n]) for n in want)
     off = ssdtrain.Offloader(model, path=str(tmp_path), min_bytes=0, late_writes=True)
@@ -120,8 +159,8 @@ def test_hf_sized_to_ample_memory_is_one_group_one_tile(tmp_path):
 
 
 def test_max_seq_probe_reports_its_sizes(tmp_path, capsys):
-    """In the real child, +tiled-heads sized to half the budget by default: each probe says the tile
-    and groups it took (one group, one tile: the layer fits whole); --layer-memory 0 keeps the given."""
+    """In the real child, +tiled-heads sized to half the budget by default: each probe says what its
+    layers took (here the layer untiled: it fits); --layer-memory 0 keeps the given groups and tiles."""
     out = tmp_path / "max.json"
     common = ["--max-seq", "--device", "cpu", "--model", "llama", "--layers", "2", "--hidden", "32", "--heads", "4",
               "--vocab", "64", "--start-seq", "64", "--max-seq-limit", "64", "--memory-budget", "8GiB",
@@ -131,7 +170,7 @@ def test_max_seq_probe_reports_its_sizes(tmp_path, capsys):
     assert "fewer and longer tiles where a layer fits 4096 MiB" in capsys.readouterr().out
     data = json.loads(out.read_text())
     assert data["layer_memory"] == 4 << 30
-    assert [(p["tile_tokens"], p["head_groups"]) for p in data["probes"]] == [(64, 1)]
+    assert [(p["whole_layer"], p["tile_tokens"], p["head_groups"]) for p in data["probes"]] == [(True, 64, 1)]
     assert bench_main(common + ["--layer-memory", "0"]) == 0
     data = json.loads(out.read_text())
     assert data["layer_memory"] is None and all("head_groups" not in p for p in data["probes"])

@@ -44,8 +44,8 @@ def _child(spec: dict) -> dict:
             tile_layers(model, spec.get("tile_tokens"), groups, memory if heads else None)
             if heads and memory:  # what the layers take at this length (ssdtrain.longctx.sizing)
                 like = torch.empty((spec["batch"], cfg.seq, cfg.hidden), dtype=dtype, device="meta")
-                out["tile_tokens"], out["head_groups"] = block_sizes(model.blocks[0], like, spec.get("tile_tokens"),
-                                                                     groups, memory)
+                sizes = block_sizes(model.blocks[0], like, spec.get("tile_tokens"), groups, memory)
+                out["whole_layer"], out["tile_tokens"], out["head_groups"] = sizes
         elif tiled:
             tile_mlps(model, spec.get("tile_tokens"))
         mode = Mode(name, model, offloader_factory(spec.get("path"), None))

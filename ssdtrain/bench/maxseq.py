@@ -229,8 +229,10 @@ def describe(r: dict) -> str:
     if r.get("over_budget"):
         peak = f"over {peak} when stopped in step {r['stopped_at_step']}"
     line = f"{r['mode']} seq {r['seq']}: {'fits' if r['fits'] else 'does not fit'} (peak {peak}, step {step})"
-    if r.get("head_groups"):  # sized to the layer's memory
-        line += f"; tiles of {r['tile_tokens']}, {r['head_groups']} head groups"
+    if r.get("whole_layer"):  # sized to the layer's memory (ssdtrain.longctx.sizing)
+        line += "; the layer untiled (it fits)"
+    elif r.get("head_groups"):
+        line += f"; tiles of {r['tile_tokens']}, {r['head_groups']} head group{'s' if r['head_groups'] > 1 else ''}"
     off = r.get("offload")
     if off:  # where the measured step's saves went
         line += (f"; saved {off['unique_bytes'] / MIB:.0f} MiB: tier {off['host_copied_bytes'] / MIB:.0f}, drive "

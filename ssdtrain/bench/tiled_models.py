@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ssdtrain.bench.models import LlamaBlock, apply_rope, rope_tables
+from ssdtrain.longctx.sizing import LayerSizes
 
 __all__ = ["block_sizes", "tile_layers", "tile_mlps"]
 
@@ -54,8 +55,9 @@ def tile_layers(model: nn.Module, tile_tokens: int | None = None, head_groups: i
 
 
 def block_sizes(block: LlamaBlock, x: torch.Tensor, tile_tokens: int | None, head_groups: int,
-                layer_memory: int) -> tuple[int, int]:
-    """The tile and the groups a :func:`tile_layers` block with ``layer_memory`` takes for ``x``."""
+                layer_memory: int) -> LayerSizes:
+    """What a :func:`tile_layers` block with ``layer_memory`` takes for ``x``: its own forward, or
+    tiles and groups (:func:`ssdtrain.longctx.sizing.sized_heads`)."""
     from ssdtrain.longctx.sizing import sized_heads
 
     attn, (b, s, h) = block.attn, x.shape
@@ -72,7 +74,9 @@ def _tiled_block_forward(block: LlamaBlock, tile_tokens: int | None, head_groups
     attn = block.attn
     b, s, h = x.shape
     if layer_memory is not None:
-        tile_tokens, head_groups = block_sizes(block, x, tile_tokens, head_groups, layer_memory)
+        whole, tile_tokens, head_groups = block_sizes(block, x, tile_tokens, head_groups, layer_memory)
+        if whole:  # the layer fits untiled: its own forward
+            return type(block).forward(block, x)
     bounds = tile_bounds(s, tile_tokens=tile_tokens, default_tokens=h)
 
     # The rotary tables are made a tile at a time, not held whole: the Function keeps its part

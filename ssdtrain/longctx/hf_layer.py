@@ -69,7 +69,11 @@ def tile_layer_in_place(layer: nn.Module, tile_tokens: int | None, head_groups: 
                             position_embeddings=position_embeddings, **kwargs)
         tile, groups = tile_tokens, head_groups
         if layer_memory is not None and head_groups is not None:
-            tile, groups = _sized(attn, hidden_states, tile_tokens, head_groups, layer_memory)
+            whole, tile, groups = _sized(attn, hidden_states, tile_tokens, head_groups, layer_memory)
+            if whole:  # the layer fits untiled: its own forward
+                return original(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                past_key_values=past_key_values, use_cache=use_cache,
+                                position_embeddings=position_embeddings, **kwargs)
         return _tiled_forward(layer, module, tile, groups, hidden_states, attention_mask,
                               position_embeddings, dict(kwargs, position_ids=position_ids, use_cache=use_cache))
 
@@ -77,14 +81,14 @@ def tile_layer_in_place(layer: nn.Module, tile_tokens: int | None, head_groups: 
     return replace_forward(layer, forward)
 
 
-def _sized(attn: nn.Module, x: torch.Tensor, tile_tokens: int | None, head_groups: int,
-           memory: int) -> tuple[int, int]:
+def _sized(attn: nn.Module, x: torch.Tensor, tile_tokens: int | None, head_groups: int, memory: int) -> Any:
     from ssdtrain.longctx.sizing import sized_heads
 
     c, (b, s, h) = attn.config, x.shape
     return sized_heads(s, b, hidden=h, heads=c.num_attention_heads, kv_heads=c.num_key_value_heads,
                        ffn_hidden=c.intermediate_size, dtype_bytes=x.element_size(), memory=memory,
-                       tile_tokens=tile_tokens or h, head_groups=head_groups)
+                       tile_tokens=tile_tokens or h, head_groups=head_groups,
+                       flash=c._attn_implementation != "eager")
 
 
 def check_head_groups(config: Any, groups: Any) -> None:
