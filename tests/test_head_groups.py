@@ -42,6 +42,18 @@ def _worst(got: dict, want: dict) -> dict[str, float]:
     return worst
 
 
+def same_with_offloader(step, model, path, loss, grads) -> None:
+    """``step(model, off)`` under an offloader that writes every save gives ``loss`` (unless ``None``)
+    and ``grads``, equal (``torch.equal``)."""
+    off = ssdtrain.Offloader(model, path=str(path), min_bytes=0, late_writes=True)
+    try:
+        got_loss, got = step(model, off)
+        assert off.stats().written_bytes > 0
+    finally:
+        off.close()
+    assert (loss is None or torch.equal(got_loss, loss)) and all(torch.equal(got[n], grads[n]) for n in grads)
+
+
 @pytest.fixture
 def no_kernel(monkeypatch):
     """The recompute path wherever it would take the kernel's."""
@@ -63,13 +75,7 @@ def test_bench_llama_head_groups(request, tmp_path, path, kv, groups):
     assert _rel(loss, plain_loss) < 1e-6
     worst = _worst(grads, plain)
     assert set(worst) == set(CLASSES) and all(v < WEIGHT_REL for v in worst.values()), worst
-    off = ssdtrain.Offloader(model, path=str(tmp_path), min_bytes=0, late_writes=True)
-    try:
-        got_loss, got = _step(model, tokens, off)
-        assert off.stats().written_bytes > 0
-    finally:
-        off.close()
-    assert torch.equal(got_loss, loss) and all(torch.equal(got[n], grads[n]) for n in grads)
+    same_with_offloader(lambda m, off: _step(m, tokens, off), model, tmp_path, loss, grads)
 
 
 @pytest.mark.parametrize("path", ["kernel", "recompute"])
@@ -91,12 +97,7 @@ def test_autocast_bf16(request, tmp_path, path):
     tile_layers(model, 100, head_groups=4)
     _, grads = step(model)
     assert all(_rel(grads[n], plain[n]) < 2e-2 for n in plain)
-    off = ssdtrain.Offloader(model, path=str(tmp_path), min_bytes=0, late_writes=True)
-    try:
-        _, got = step(model, off)
-    finally:
-        off.close()
-    assert all(torch.equal(got[n], grads[n]) for n in grads)
+    same_with_offloader(step, model, tmp_path, None, grads)
 
 
 def test_the_layer_keeps_its_input_attentions_output_and_log_sum_exp():
@@ -252,12 +253,7 @@ def test_hf_tile_heads(tmp_path, kind, impl, groups):
                 else name.split(".")[-2])
         worst[part] = max(worst.get(part, 0.0), _rel(g, plain[name]))
     assert all(v < 2e-6 for v in worst.values()), worst
-    off = ssdtrain.Offloader(model, path=str(tmp_path), min_bytes=0, late_writes=True)
-    try:
-        got_loss, got = _hf_step(model, off)
-    finally:
-        off.close()
-    assert torch.equal(got_loss, loss) and all(torch.equal(got[n], grads[n]) for n in grads)
+    same_with_offloader(_hf_step, model, tmp_path, loss, grads)
     lc.undo()
     undone_loss, undone = _hf_step(model)
     assert torch.equal(undone_loss, plain_loss) and all(torch.equal(undone[n], plain[n]) for n in plain)

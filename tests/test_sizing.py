@@ -10,12 +10,11 @@ import types
 import pytest
 import torch
 
-import ssdtrain
 from ssdtrain.bench.command import main as bench_main
 from ssdtrain.bench.tiled_models import block_sizes, tile_layers
 from ssdtrain.longctx.sizing import group_choices, sized_heads
 from ssdtrain.planner.plan_layer import block_working_bytes, layer_heads_moments
-from tests.test_head_groups import _hf, _hf_step, _model
+from tests.test_head_groups import _hf, _hf_step, _model, same_with_offloader
 from tests.test_tiled_layer import _step
 
 SHAPE = dict(hidden=64, heads=4, kv_heads=1, ffn_hidden=224, dtype_bytes=4)  # the bench's CPU Llama
@@ -102,13 +101,7 @@ def test_bench_llama_sized_equals_the_same_tiles_by_hand(tmp_path):
     tile_layers(finest, 100, head_groups=4)
     _, fine = _step(finest, tokens)
     assert any(not torch.equal(grads[n], fine[n]) for n in fine)  # another tiling: the sums' order differs
-    off = ssdtrain.Offloader(model, path=str(tmp_path), min_bytes=0, late_writes=True)
-    try:
-        got_loss, got = _step(model, tokens, off)
-        assert off.stats().written_bytes > 0
-    finally:
-        off.close()
-    assert torch.equal(got_loss, loss) and all(torch.equal(got[n], grads[n]) for n in grads)
+    same_with_offloader(lambda m, off: _step(m, tokens, off), model, tmp_path, loss, grads)
     with pytest.raises(ValueError, match="layer_memory is a positive int of bytes, with head_groups"):
         tile_layers(_model(), 100, layer_memory=memory)
 
@@ -146,12 +139,7 @@ def test_hf_sized(tmp_path):
     by_hand = long_context(_hf("llama"), tile_tokens=tile, loss_chunk=CHUNK, tile="heads", head_groups=groups).model
     want_loss, want = _hf_step(by_hand)
     assert torch.equal(loss, want_loss) and all(torch.equal(grads[n], want[n]) for n in want)
-    off = ssdtrain.Offloader(model, path=str(tmp_path), min_bytes=0, late_writes=True)
-    try:
-        got_loss, got = _hf_step(model, off)
-    finally:
-        off.close()
-    assert torch.equal(got_loss, loss) and all(torch.equal(got[n], grads[n]) for n in grads)
+    same_with_offloader(_hf_step, model, tmp_path, loss, grads)
     for bad, match in ((dict(tile="layer", layer_memory=1 << 20), "layer_memory is a positive int of bytes for tile='heads'"),
                        (dict(tile="heads", layer_memory=0), "layer_memory is a positive int of bytes")):
         with pytest.raises(ValueError, match=match):

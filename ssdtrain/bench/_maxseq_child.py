@@ -40,12 +40,15 @@ def _child(spec: dict) -> dict:
         model = make_model(cfg).to(dtype).to(dev)
         if tiled in ("layer", "heads"):
             heads = tiled == "heads"
-            groups, memory = (spec.get("head_groups") or cfg.heads) if heads else None, spec.get("layer_memory")
-            tile_layers(model, spec.get("tile_tokens"), groups, memory if heads else None)
-            if heads and memory:  # what the layers take at this length (ssdtrain.longctx.sizing)
+            tile, groups, memory = spec.get("tile_tokens"), (spec.get("head_groups") or cfg.heads) if heads else None, \
+                spec.get("layer_memory")
+            if heads and memory:  # Note [a sized probe runs its length's form]
                 like = torch.empty((spec["batch"], cfg.seq, cfg.hidden), dtype=dtype, device="meta")
-                sizes = block_sizes(model.blocks[0], like, spec.get("tile_tokens"), groups, memory)
+                sizes = block_sizes(model.blocks[0], like, tile, groups, memory)
                 out["whole_layer"], out["tile_tokens"], out["head_groups"] = sizes
+                tile, groups = sizes.tile_tokens, sizes.groups
+            if not out.get("whole_layer"):
+                tile_layers(model, tile, groups)
         elif tiled:
             tile_mlps(model, spec.get("tile_tokens"))
         mode = Mode(name, model, offloader_factory(spec.get("path"), None))
@@ -120,6 +123,14 @@ def _state_bytes(opt) -> int:
 
     return sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
                if isinstance(t, torch.Tensor))
+
+
+# Note [a sized probe runs its length's form]: a +tiled-heads layer sized to its memory
+# (ssdtrain.longctx.sizing) chooses its form at each call from the length, so the probe's
+# 64-token pre-warm (Note [a CPU probe stops at its budget]) would run the layer untiled and leave the grouped path's first costs
+# to the steps at the probe's length: at 22528 tokens on the CPU (2026-11-29) three probes sized so
+# went over the 64 MiB budget where the same layers tiled by hand peaked at 54-59 MiB. A probe
+# therefore takes the form its length gets, tiles and groups or the layer untiled, for every step.
 
 
 # Note [a CPU probe stops at its budget]: on a GPU a step over the budget fails at the allocation
