@@ -126,11 +126,12 @@ def _state_bytes(opt) -> int:
 
 
 # Note [a sized probe runs its length's form]: a +tiled-heads layer sized to its memory
-# (ssdtrain.longctx.sizing) chooses its form at each call from the length, so the probe's
-# 64-token pre-warm (Note [a CPU probe stops at its budget]) would run the layer untiled and leave the grouped path's first costs
-# to the steps at the probe's length: at 22528 tokens on the CPU (2026-11-29) three probes sized so
-# went over the 64 MiB budget where the same layers tiled by hand peaked at 54-59 MiB. A probe
-# therefore takes the form its length gets, tiles and groups or the layer untiled, for every step.
+# (ssdtrain.longctx.sizing) chooses its form at each call from the length, so the probe's 64-token
+# pre-warm (Note [a CPU probe stops at its budget]) would run the layer untiled and leave the
+# grouped path's first costs to the steps at the probe's length: at 22528 tokens on the CPU
+# (2026-11-29) three probes sized so went over the 64 MiB budget where the same layers tiled by
+# hand peaked at 54-59 MiB. A probe therefore takes the form its length gets, tiles and groups or
+# the layer untiled, for every step.
 
 
 # Note [a CPU probe stops at its budget]: on a GPU a step over the budget fails at the allocation
