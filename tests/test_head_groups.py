@@ -282,3 +282,19 @@ def test_hf_tile_heads_with_lora_and_refusals():
         long_context(_hf("llama"), tile="heads", head_groups=3)
     with pytest.raises(ValueError, match="head_groups is for tile='heads'"):
         long_context(_hf("llama"), tile="layer", head_groups=2)
+
+
+def test_hf_heads_runs_the_projections_hooks():
+    """tile="heads" with a forward pre-hook on q/k/v (DeepSpeed ZeRO-3 gathers a sharded weight in
+    one, a profiler counts calls): the hook runs (the projection computes every row and the group's
+    are kept) and the gradients stay those of the model without hooks, to rounding."""
+    want_loss, want = _hf_step(long_context(_hf("llama"), tile_tokens=16, loss_chunk=CHUNK, tile="heads").model)
+    model = long_context(_hf("llama"), tile_tokens=16, loss_chunk=CHUNK, tile="heads").model
+    calls = []
+    for layer in model.model.layers:
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            proj.register_forward_pre_hook(lambda module, args: calls.append(module))
+    loss, grads = _hf_step(model)
+    # per layer and projection: the forward, the recomputation, made again and replayed, each a group
+    assert len(calls) >= 2 * 3 * 4 * 2
+    assert _rel(loss, want_loss) < 1e-6 and all(_rel(grads[n], want[n]) < 2e-6 for n in want)

@@ -15,8 +15,9 @@ With ``tile="heads"`` (``head_groups``), steps 1 and 2 run a group of query head
 the key/value heads the group shares (:func:`ssdtrain.longctx.head_groups.grouped_layer`): q, k, v,
 their gradients and the group's part of attention exist for one group at a time; of the whole
 sequence the layer keeps its input, attention's output and log-sum-exp. A plain ``nn.Linear``
-projection computes only its group's rows; another (PEFT's, with adapters) computes all of them and
-the group's are kept (its adapters stay inside, as always). On the CPU, with SDPA, no mask (causal
+projection computes only its group's rows; another (PEFT's, with adapters), or one with forward
+hooks (ZeRO-3 gathers its weight in one), computes all of them and the group's are kept (its
+adapters and hooks run, as always). On the CPU, with SDPA, no mask (causal
 alone, as transformers passes it without padding) and no dropout, attention's gradients come from
 the fused kernel's own backward; otherwise from the model's attention function run again for the
 group in backward (one attention forward more).
@@ -168,11 +169,21 @@ def _tiled_forward(layer: nn.Module, module: Any, tile_tokens: int | None, head_
 
 
 def _rows(proj: nn.Module, n: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """Output features ``[lo, hi)`` of ``proj(n)``: a plain ``nn.Linear`` computes only those; any
-    other module (PEFT's, with its adapters) computes all and they are kept."""
-    if type(proj) is nn.Linear:
+    """Output features ``[lo, hi)`` of ``proj(n)``: a plain ``nn.Linear`` without forward hooks
+    computes only those; any other module computes all and they are kept: PEFT's (with its
+    adapters), and one with hooks, which must run (DeepSpeed ZeRO-3 gathers a module's sharded
+    weight in its forward pre-hook: the weight itself is then an empty placeholder)."""
+    if type(proj) is nn.Linear and not _hooked(proj):
         return F.linear(n, proj.weight[lo:hi], None if proj.bias is None else proj.bias[lo:hi])
     return proj(n)[..., lo:hi]
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs a forward hook (its own, or one registered for every module)."""
+    from torch.nn.modules import module as torch_module
+
+    return bool(module._forward_hooks or module._forward_pre_hooks or torch_module._global_forward_hooks
+                or torch_module._global_forward_pre_hooks)
 
 
 def _grouped_forward(layer: nn.Module, module: Any, function: Any, groups: int, inputs: tuple, mask: Any,
