@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from ssdtrain.longctx._tiles import GradSums, _forward_tiles, _keep_saves, _Replay, replay_tile
+from ssdtrain.longctx._tiles import GradSums, _forward_tiles, _keep_saves, _Replay, refuse_partitioned, replay_tile
 
 __all__ = ["group_heads", "group_tiles", "grouped_layer", "kernel_available"]
 
@@ -123,6 +123,7 @@ def grouped_layer(part: GroupPart, post: Post, inputs: tuple[torch.Tensor, ...],
         with torch.no_grad():
             y, _ = _attention(part, inputs, bounds[1], groups, kv_heads, scale, attend, random)
             return _forward_tiles(post, (inputs[0], y), bounds[0])[0]
+    refuse_partitioned(pre_params + post_params)
     return _GroupedLayer.apply(part, post, bounds, groups, kv_heads, scale, attend, random, preserve_rng_state,
                                len(inputs), len(pre_params), *inputs, *pre_params, *post_params)
 

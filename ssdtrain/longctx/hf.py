@@ -217,6 +217,10 @@ def long_context(model: nn.Module, *, tile_tokens: int | None = None, loss_chunk
                                      or not isinstance(layer_memory, int) or layer_memory < 1):
         raise ValueError(f"layer_memory is a positive int of bytes for tile='heads', got {layer_memory!r} "
                          f"with tile={tile!r}")
+    if (tile != "mlp" or tile_tokens != 0) and any(hasattr(p, "ds_id") for p in lm.parameters()):
+        raise ValueError("long_context: the model's parameters are DeepSpeed ZeRO-3 partitions; tiles under ZeRO-3 are "
+                         "not supported yet: use ZeRO stage 1 or 2, or tile_tokens=0 for checkpointing and the chunked "
+                         "loss without tiles")
     groups = lm.config.num_key_value_heads if head_groups is None else head_groups
     if tile == "heads":
         from ssdtrain.longctx.hf_layer import check_head_groups
