@@ -40,8 +40,8 @@ def _child(spec: dict) -> dict:
         model = make_model(cfg).to(dtype).to(dev)
         if tiled in ("layer", "heads"):
             heads = tiled == "heads"
-            tile, groups, memory = spec.get("tile_tokens"), (spec.get("head_groups") or cfg.heads) if heads else None, \
-                spec.get("layer_memory")
+            tile, memory = spec.get("tile_tokens"), spec.get("layer_memory")
+            groups = (spec.get("head_groups") or cfg.heads) if heads else None
             if heads and memory:  # Note [a sized probe runs its length's form]
                 like = torch.empty((spec["batch"], cfg.seq, cfg.hidden), dtype=dtype, device="meta")
                 sizes = block_sizes(model.blocks[0], like, tile, groups, memory)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-__all__ = ["GradSums", "refuse_partitioned", "replay_tile", "tiled_parts"]
+__all__ = ["GradSums", "partitioned", "refuse_partitioned", "replay_tile", "tiled_parts"]
 
 Part = Callable[..., tuple[torch.Tensor, ...]]
 
@@ -120,12 +120,17 @@ def tiled_parts(part: Part, inputs: tuple[torch.Tensor, ...], params: Iterable[t
     return _TiledParts.apply(part, bounds, preserve_rng_state, len(inputs), *inputs, *params)
 
 
+def partitioned(params: Iterable[torch.Tensor]) -> bool:
+    """Whether any of ``params`` is a DeepSpeed ZeRO-3 partition (it carries a ``ds_id``)."""
+    return any(hasattr(p, "ds_id") for p in params)
+
+
 def refuse_partitioned(params: tuple[torch.Tensor, ...]) -> None:
-    """A clear error for parameters DeepSpeed ZeRO-3 partitions (they carry a ``ds_id``): a tiled
+    """A clear error for parameters DeepSpeed ZeRO-3 partitions (:func:`partitioned`): a tiled
     Function takes its parameters as inputs, to return their gradients, and outside its module's
     forward a ZeRO-3 parameter is an empty placeholder, so autograd would refuse the gradient deep in
     backward ("expected shape compatible with [0]", DeepSpeed 0.19.8)."""
-    if any(hasattr(p, "ds_id") for p in params):
+    if partitioned(params):
         raise RuntimeError("ssdtrain.longctx: tiles under DeepSpeed ZeRO-3 (partitioned parameters) are not supported "
                            "yet: use ZeRO stage 1 or 2, or long_context(model, tile_tokens=0) for checkpointing and "
                            "the chunked loss without tiles")

@@ -80,6 +80,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ssdtrain.longctx._tiles import partitioned
 from ssdtrain.longctx.tiled import replace_forward, tile_bounds, tile_in_place
 
 __all__ = ["LongContext", "SUPPORTED_MODEL_TYPES", "chunked_lm_loss", "long_context"]
@@ -217,7 +218,7 @@ def long_context(model: nn.Module, *, tile_tokens: int | None = None, loss_chunk
                                      or not isinstance(layer_memory, int) or layer_memory < 1):
         raise ValueError(f"layer_memory is a positive int of bytes for tile='heads', got {layer_memory!r} "
                          f"with tile={tile!r}")
-    if (tile != "mlp" or tile_tokens != 0) and any(hasattr(p, "ds_id") for p in lm.parameters()):
+    if (tile != "mlp" or tile_tokens != 0) and partitioned(lm.parameters()):
         raise ValueError("long_context: the model's parameters are DeepSpeed ZeRO-3 partitions; tiles under ZeRO-3 are "
                          "not supported yet: use ZeRO stage 1 or 2, or tile_tokens=0 for checkpointing and the chunked "
                          "loss without tiles")

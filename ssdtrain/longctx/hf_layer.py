@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.modules import module as _torch_module  # its global forward hooks (_hooked)
 
 from ssdtrain.longctx.tiled import replace_forward, tile_bounds
 from ssdtrain.longctx.tiled_layer import params_of, tiled_parts
@@ -63,18 +64,15 @@ def tile_layer_in_place(layer: nn.Module, tile_tokens: int | None, head_groups: 
     def forward(hidden_states: torch.Tensor, attention_mask: Any = None, position_ids: Any = None,
                 past_key_values: Any = None, use_cache: Any = False, position_embeddings: Any = None,
                 **kwargs: Any) -> Any:
-        if (not torch.is_grad_enabled() or past_key_values is not None or use_cache or position_embeddings is None
-                or kwargs.get("output_attentions")):
+        own = (not torch.is_grad_enabled() or past_key_values is not None or use_cache or position_embeddings is None
+               or kwargs.get("output_attentions"))
+        tile, groups = tile_tokens, head_groups
+        if not own and layer_memory is not None and head_groups is not None:
+            own, tile, groups = _sized(attn, hidden_states, tile_tokens, head_groups, layer_memory)  # whole: it fits
+        if own:
             return original(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                             past_key_values=past_key_values, use_cache=use_cache,
                             position_embeddings=position_embeddings, **kwargs)
-        tile, groups = tile_tokens, head_groups
-        if layer_memory is not None and head_groups is not None:
-            whole, tile, groups = _sized(attn, hidden_states, tile_tokens, head_groups, layer_memory)
-            if whole:  # the layer fits untiled: its own forward
-                return original(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                                past_key_values=past_key_values, use_cache=use_cache,
-                                position_embeddings=position_embeddings, **kwargs)
         return _tiled_forward(layer, module, tile, groups, hidden_states, attention_mask,
                               position_embeddings, dict(kwargs, position_ids=position_ids, use_cache=use_cache))
 
@@ -95,9 +93,10 @@ def _sized(attn: nn.Module, x: torch.Tensor, tile_tokens: int | None, head_group
 def check_head_groups(config: Any, groups: Any) -> None:
     """``groups`` divides the query heads, and is a divisor or a multiple of the key/value heads (a
     group is whole key/value heads with their query heads, or some of one's query heads)."""
+    from ssdtrain.longctx.sizing import group_choices
+
     heads, kv = config.num_attention_heads, config.num_key_value_heads
-    if (isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 or heads % groups
-            or (kv % groups and groups % kv)):
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups not in group_choices(heads, kv):
         raise ValueError(f"head_groups must be a positive int dividing the model's {heads} query heads and a "
                          f"divisor or a multiple of its {kv} key/value heads, got {groups!r}")
 
@@ -180,10 +179,8 @@ def _rows(proj: nn.Module, n: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
 
 def _hooked(module: nn.Module) -> bool:
     """Whether calling ``module`` runs a forward hook (its own, or one registered for every module)."""
-    from torch.nn.modules import module as torch_module
-
-    return bool(module._forward_hooks or module._forward_pre_hooks or torch_module._global_forward_hooks
-                or torch_module._global_forward_pre_hooks)
+    return bool(module._forward_hooks or module._forward_pre_hooks or _torch_module._global_forward_hooks
+                or _torch_module._global_forward_pre_hooks)
 
 
 def _grouped_forward(layer: nn.Module, module: Any, function: Any, groups: int, inputs: tuple, mask: Any,

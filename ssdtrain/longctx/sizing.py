@@ -69,8 +69,6 @@ def sized_heads(seq: int, batch: int, *, hidden: int, heads: int, kv_heads: int,
         at1 = layer_heads_moments(types.SimpleNamespace(**shape, tile_tokens=1, head_groups=groups), batch)
         longest = min((memory - at0[k]) // (at1[k] - at0[k]) if at1[k] > at0[k] else
                       (seq if memory >= at0[k] else 0) for k in at0)
-        if longest >= seq:
-            return LayerSizes(False, seq, groups)
-        if longest >= tile_tokens:
+        if longest >= min(seq, tile_tokens):  # one tile where the whole sequence fits
             return LayerSizes(False, math.ceil(seq / math.ceil(seq / longest)), groups)
     return LayerSizes(False, min(tile_tokens, seq), head_groups)
