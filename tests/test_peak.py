@@ -261,3 +261,65 @@ def test_a_real_model_under_the_rule_is_exact(clock):
         h.remove()
     off.close()
 
+
+
+class _TimedStore(ClockStore):
+    """The modelled drive, recording the fake time at which each write was handed to it."""
+
+    def __init__(self, clock, bps):
+        super().__init__(clock, bps)
+        self.starts: list[float] = []
+
+    def submit_write(self, extent, src, *, checksum=False, ready=None):
+        self.starts.append((self.clock[0], extent.nbytes))
+        return super().submit_write(extent, src, checksum=checksum, ready=ready)
+
+
+def test_a_checkpoint_input_goes_to_the_drive_before_the_next_block(clock):
+    """Note [a save well before the peak goes at once] and Note [bytes an earlier op made may go
+    at once] (``writer.py``): with blocks checkpointed, the engine sees one save a block, each
+    block's input, saved as the block's checkpoint returns. Once the drive's rate and the
+    forward's length are known, block 0's input (a write that ends long before the peak) goes to
+    the drive while block 0 runs, not at block 1's save, the next the engine sees; gradients stay
+    those without offloading. Before: the first write began as block 1 began, in every step."""
+    from ssdtrain.bench.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=64, seq=256, layers=6, hidden=128, heads=4))
+    model.recompute = True
+    tokens = torch.randint(0, 64, (8, 256), generator=torch.Generator().manual_seed(0))
+    store = _TimedStore(clock, 20e6)  # a block's input (1 MiB) in 0.052 s: blocks are DT apart
+    begun: list[float] = []
+
+    def block_begins(m, a):
+        begun.append(clock[0])
+        store.advance(clock[0] + DT)
+
+    handles = [b.register_forward_pre_hook(block_begins) for b in model.blocks]
+
+    def grads(off):
+        model.zero_grad(set_to_none=True)
+        with off if off is not None else torch.enable_grad():
+            loss = model(tokens, tokens)
+        n = len(model.blocks)
+        forward_begun = begun[-n:]  # the blocks' starts in this forward (backward recomputes them too)
+        loss.backward()
+        if off is not None:
+            store.advance(math.inf)
+            off.wait()
+        return [p.grad.clone() for p in model.parameters()], forward_begun
+
+    want, _ = grads(None)
+    off = ssdtrain.Offloader(model, store=store, min_bytes=0)
+    firsts = []
+    for i in range(5):
+        before = len(store.starts)
+        got, forward_begun = grads(off)
+        assert all(torch.equal(g, h) for g, h in zip(got, want)), i
+        inputs = [t for t, n in store.starts[before:] if n == tokens.numel() * 128 * 4]  # the blocks' inputs
+        firsts.append((inputs[0] if inputs else None, forward_begun[:2]))
+    off.close()
+    for h in handles:
+        h.remove()
+    for first, (block0, block1) in firsts[2:]:  # the rate and the forward's length known
+        assert first is not None and block0 <= first < block1, firsts

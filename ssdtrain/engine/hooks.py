@@ -226,10 +226,12 @@ class SaveHooks:
             self._failures.failed(err)
             return e
         self._cache.queue(e, extent)
-        e.op = op
+        base = t._base
+        # Note [bytes an earlier op made may go at once] (``writer.py``): no op to wait for
+        e.op = op if (t if base is None else base).grad_fn is None else None
         e.stream = device.producer_stream(t)  # fenced once its op returned (WriteQueue._queue_now)
         scope.add(e)
-        self._writer.hold(scope, e)
+        self._writer.hold(scope, e, op)
         return e
 
     # -- safe points -----------------------------------------------------------------------------

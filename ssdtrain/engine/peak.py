@@ -199,6 +199,17 @@ class PeakClock:
         writes in flight: not if it is this forward's and would end after it."""
         return scope is not self.scope or self._in_time(nbytes, START_MARGIN, now)
 
+    def well_before(self, scope: object, nbytes: int, now: float) -> bool:
+        """Whether a write of ``nbytes`` of ``scope`` (after the writes in flight) is known to end
+        before this forward's peak: the drive's rate and the forward's length are known, and the
+        write fits the time left (Note [a save well before the peak goes at once] in ``writer.py``).
+        ``False`` while either is unknown, and for another scope's write."""
+        rate = self.meter.rate
+        if scope is not self.scope or not self.active or not rate:
+            return False
+        left = self.remaining(now)
+        return left is not None and (max(0.0, self.meter.free_at - now) + nbytes / rate) * START_MARGIN <= left
+
     def end(self, now: float) -> float | None:
         """The forward ended (backward begins); returns the seconds from its start to its peak
         (its last large save; its end if it saved nothing)."""

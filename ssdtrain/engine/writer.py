@@ -62,6 +62,9 @@ class WriteQueue:
         due: ``due(nbytes)``, the forward position at which a host-tier copy handed over now is
             due (:meth:`ssdtrain.host.copy_clock.CopyClock.schedule`; Note [a copy is due from its
             hand-over]); set on its extent as it is handed over.
+        early: ``early(scope, nbytes, now)``, whether a drive write of ``scope`` behind ``nbytes``
+            queued is known to end before its forward's peak (:meth:`ssdtrain.engine.peak.PeakClock.well_before`;
+            Note [a save well before the peak goes at once]).
         wall: the host's clock that ages the saves waiting for a batch (``HAND_OVER_SECONDS``):
             the modelled GPU's on the model (Note [the modelled host's clock decides the hand-over]
             in ``device/cuda.py``).
@@ -71,7 +74,7 @@ class WriteQueue:
                  max_writing_bytes: int, verify: bool, budget: Any, failures: WriteFailures,
                  endurance: Any = None, meter: Any = None, clock: Any = time.perf_counter,
                  wall: Any = time.perf_counter,
-                 gate: Any = None, due: Any = None) -> None:
+                 gate: Any = None, due: Any = None, early: Any = None) -> None:
         self._backend = backend
         self._cache = cache
         # ``with`` takes the lock itself: Condition.__enter__ is Python code, and a
@@ -88,6 +91,7 @@ class WriteQueue:
         self._clock = clock
         self._wall = wall  # the hand-over's clock (Note [the modelled host's clock decides the hand-over])
         self._gate = gate
+        self._early = early  # Note [a save well before the peak goes at once]
         self._due = due
         self._queue: deque[Entry] = deque()
         self.inflight_bytes = 0  # queued (held too) or being written
@@ -99,8 +103,9 @@ class WriteQueue:
         self.completed: deque[Entry] = deque()  # written; memory released at a safe point
 
     # -- pack's side (lock held) --------------------------------------------------------------
-    def hold(self, scope: Any, e: Entry) -> None:
-        """Queues ``e`` (QUEUED) as ``scope``'s last save, and the save held before it for real.
+    def hold(self, scope: Any, e: Entry, op: Any) -> None:
+        """Queues ``e`` (QUEUED), saved by op ``op``, as ``scope``'s last save, and the save held
+        before it for real.
 
         Note [the last save waits]: a write starts only once the next save came. The last save
         of a forward is what backward needs first; had its write already started, the bytes
@@ -110,13 +115,22 @@ class WriteQueue:
         for room. A save under a quarter of the held one's size does not release it: it is
         queued itself (the loss's targets after the logits), so the large save that backward
         needs first is not written in vain as forward ends. Whatever is queued goes only once
-        the op that saved it has returned (Note [a save is copied only after its op returned]).
+        the op that saved it has returned (Note [a save is copied only after its op returned]),
+        and a drive's write known to end well before its forward's peak is not held (Note [a save
+        well before the peak goes at once]).
         """
         self.inflight_bytes += e.nbytes
         if self._many is not None:  # its age makes a batch go (pack_pumps)
             e.packed_at = self._wall()
-        self._op_began(scope, e.op)
+        self._op_began(scope, op)
         held = scope.held
+        if (self._early is not None and getattr(e.extent, "path_index", -1) >= 0  # a drive's write
+                and self._early(scope, self.queued_bytes, self._clock())):
+            if held is not None:
+                self._enqueue(scope, held)
+                scope.held = None
+            self._enqueue(scope, e)
+            return
         if held is not None and 4 * e.nbytes < held.nbytes:
             self._enqueue(scope, e)
             return
@@ -149,6 +163,27 @@ class WriteQueue:
                 self._enqueue(scope, scope.held)
                 scope.held = None
 
+    # Note [a save well before the peak goes at once]
+    # The last save waits (Note [the last save waits]) because it may be forward's last, which
+    # backward needs first. A drive's write that the peak clock (Note [write what leaves before the
+    # peak] in ``peak.py``) knows will end before its forward's peak (the drive's rate and the
+    # forward's length known, the writes queued ahead of it counted) is not that save: forward goes
+    # on for at least as long. Held, it waited for the next save, which with checkpointed blocks is
+    # the next block's input, a whole block later: on the bench decoder under a 25 MB/s drive
+    # (issue 64, item 4) block 0's input (8.4 MB, 0.34 s to write) started at block 1's, 0.19 s
+    # into a 1.49 s forward, and only three of the four writes the drive had time for ended before
+    # the peak. Such a save is queued at once (and the one held before it); it still goes only
+    # once its op returned, unless an earlier op made its bytes (the next Note).
+    # Note [bytes an earlier op made may go at once]
+    # The op-return rule below guards the bytes an op writes after it saved them without a version
+    # bump: buffers such as ``rrelu``'s ``noise``, which carry no autograd history. A tensor with a
+    # ``grad_fn`` was made by an op that returned (or is an output of the running op, which saves
+    # its outputs after its kernels were queued); an op that wrote it after saving it would give
+    # wrong gradients without offloading too. So such a save has no op to wait for (``Entry.op``
+    # None) and is queued with its producer fence as soon as it is let go. The case that needs it:
+    # a checkpoint's saved inputs (``torch.utils.checkpoint``'s, made after the block's ops by a
+    # Function that takes no sequence number of its own), whose op the engine could otherwise see
+    # return only at the next block's save.
     # Note [a save is copied only after its op returned]
     # Autograd hands a save to pack when the op saves it, which for an op's inputs is before the
     # op's kernel runs; and an op may write a tensor it saved without bumping its version, so that
