@@ -22,10 +22,11 @@ from typing import Any
 import torch
 
 from ssdtrain.engine.small import Small, SmallSaves, StorageRef
-from ssdtrain.engine.views import SPAN_ALIGN, byte_span, byte_view, entry_span, modified, rebuild  # noqa: F401
+from ssdtrain.engine.views import (SPAN_ALIGN, Span, byte_span, byte_view, entry_span, modified,  # noqa: F401
+                                   rebuild, rebuild_on)
 
 __all__ = ["State", "Entry", "Ref", "Parts", "Small", "SmallSaves", "StorageIndex", "Cache", "byte_span", "entry_span",
-           "rebuild", "byte_view"]
+           "rebuild", "rebuild_on", "byte_view", "Span"]
 
 
 class State(enum.Enum):
@@ -65,7 +66,7 @@ class Entry:
         self.scope = scope
         self.layer = layer
         self.state = State.KEPT
-        self.data: torch.Tensor | None = byte_view(storage, lo, hi - lo, t.device)
+        self.data: torch.UntypedStorage | None = storage  # Note [an entry's bytes are its storage's]
         # The version counter is shared by ``t`` and its detached alias. Holding ``t`` itself would
         # tie an op's output to its own grad_fn through C++ (a cycle no collector can break), so
         # the entry holds the alias strongly while the bytes matter, and ``t`` only weakly.

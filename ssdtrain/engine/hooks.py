@@ -19,9 +19,9 @@ import torch
 from ssdtrain.device import cuda as device
 from ssdtrain.device import measure
 from ssdtrain.engine import keep
-from ssdtrain.engine.cache import Entry, Parts, Ref, Small, State, rebuild
+from ssdtrain.engine.cache import Entry, Parts, Ref, Small, State, rebuild_on
 from ssdtrain.engine.views import SPAN_ALIGN, byte_span
-from ssdtrain.engine.peak import possible_bytes
+from ssdtrain.engine.peak import EARLY, IN_TIME, LATE, possible_bytes
 from ssdtrain.engine.schedule import Scope
 from ssdtrain.store import StorageError
 from ssdtrain.store._mem import profiled
@@ -193,7 +193,8 @@ class SaveHooks:
                 self._fwd_dev = e.device  # forwards are timed on it from the next one on
                 # near this forward's start: Note [the step's peak, seen in backward]
                 self._start_alloc = measure.allocated(e.device) - n
-        late = not tier and not self._peak.fits(n, self._writer.queued_bytes, _now())
+        verdict = IN_TIME if tier else self._peak.admits(n, self._writer.queued_bytes, _now())
+        late = verdict == LATE
         choice = self._policy.decide(n, layer, self._writer.has_room(n), budget=self._tier.clock if tier else None,
                                      late=late)
         if choice == "wait":
@@ -231,7 +232,8 @@ class SaveHooks:
         e.op = op if (t if base is None else base).grad_fn is None else None
         e.stream = device.producer_stream(t)  # fenced once its op returned (WriteQueue._queue_now)
         scope.add(e)
-        self._writer.hold(scope, e, op)
+        # Note [a save well before the peak goes at once] (``writer.py``): not held for the next save
+        self._writer.hold(scope, e, op, verdict == EARLY and scope is self._peak.scope)
         return e
 
     # -- safe points -----------------------------------------------------------------------------
@@ -369,7 +371,7 @@ class SaveHooks:
                 if e.state is State.QUEUED:
                     self._writer.cancel(e)
                 self._cache.forwarded(e)
-                return device.for_consumer(rebuild(e.data, ref))
+                return device.for_consumer(rebuild_on(e.data, e.lo + ref.offset, ref, e.device))
             if e.error is not None:
                 # A fresh copy each time: a raised exception keeps its traceback, and the
                 # frames in it (holding saved references) must not live on in the entry.

@@ -125,7 +125,7 @@ class Offloader(hooks.SaveHooks):
         self._writer = WriteQueue(self._backend, self._cache, self._lock, max_inflight_bytes=config.max_inflight_bytes,
                                   max_writing_bytes=writing, verify=config.verify, budget=self._budget,
                                   failures=self._failures, endurance=self._endurance, meter=self._meter,
-                                  clock=_clock, gate=self._peak.may_start, early=self._peak.well_before,
+                                  clock=_clock, gate=self._peak.may_start,
                                   due=self._tier.clock.schedule if self._tier is not None else None,
                                   wall=device.host_clock())
         self._graveyard: deque = deque()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 
-__all__ = ["DriveMeter", "PeakClock", "possible_bytes"]
+__all__ = ["DriveMeter", "PeakClock", "possible_bytes", "LATE", "IN_TIME", "EARLY"]
 
 # Note [write what leaves before the peak]
 # A step's saved bytes peak where its forward ends (with checkpointing too: backward's start,
@@ -53,6 +53,8 @@ HISTORY = 4
 """Forwards the prediction's curve is chosen from (the median one; the lower of two)."""
 MIN_SAMPLE_BYTES = 4 << 20
 """The drive's rate is measured once it has written at least this much."""
+LATE, IN_TIME, EARLY = 0, 1, 2
+"""What :meth:`PeakClock.admits` predicts of a write at pack."""
 LARGE_SAVE = 1 << 20
 """Where the peak is: the last save of at least this many bytes (or of 1/200 of a forward's)."""
 
@@ -199,16 +201,23 @@ class PeakClock:
         writes in flight: not if it is this forward's and would end after it."""
         return scope is not self.scope or self._in_time(nbytes, START_MARGIN, now)
 
-    def well_before(self, scope: object, nbytes: int, now: float) -> bool:
-        """Whether a write of ``nbytes`` of ``scope`` (after the writes in flight) is known to end
-        before this forward's peak: the drive's rate and the forward's length are known, and the
-        write fits the time left (Note [a save well before the peak goes at once] in ``writer.py``).
-        ``False`` while either is unknown, and for another scope's write."""
+    def admits(self, nbytes: int, queued: int, now: float) -> int:
+        """At pack, for a write of ``nbytes`` queued behind ``queued`` bytes not started yet and the
+        writes in flight: ``LATE`` if it is predicted to end after this forward's peak (``fits``
+        false); ``EARLY`` if it is known to end before it, with ``START_MARGIN`` to spare (the
+        drive's rate and the forward's length known: Note [a save well before the peak goes at
+        once] in ``writer.py``); else ``IN_TIME`` (also while either is unknown). One prediction
+        for both questions."""
         rate = self.meter.rate
-        if scope is not self.scope or not self.active or not rate:
-            return False
+        if not self.active or not rate:
+            return IN_TIME
         left = self.remaining(now)
-        return left is not None and (max(0.0, self.meter.free_at - now) + nbytes / rate) * START_MARGIN <= left
+        if left is None:
+            return IN_TIME
+        need = max(0.0, self.meter.free_at - now) + (queued + nbytes) / rate
+        if need * START_MARGIN <= left:
+            return EARLY
+        return IN_TIME if not self.enforce or need * ADMIT_MARGIN <= left else LATE
 
     def end(self, now: float) -> float | None:
         """The forward ended (backward begins); returns the seconds from its start to its peak

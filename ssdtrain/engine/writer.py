@@ -18,7 +18,7 @@ from functools import partial
 from typing import Any
 
 from ssdtrain.device import cuda as device
-from ssdtrain.engine.cache import Cache, Entry, State
+from ssdtrain.engine.cache import Cache, Entry, Span, State, byte_view
 from ssdtrain.store import Backend, on_drive
 from ssdtrain.store._mem import profiled
 
@@ -62,9 +62,6 @@ class WriteQueue:
         due: ``due(nbytes)``, the forward position at which a host-tier copy handed over now is
             due (:meth:`ssdtrain.host.copy_clock.CopyClock.schedule`; Note [a copy is due from its
             hand-over]); set on its extent as it is handed over.
-        early: ``early(scope, nbytes, now)``, whether a drive write of ``scope`` behind ``nbytes``
-            queued is known to end before its forward's peak (:meth:`ssdtrain.engine.peak.PeakClock.well_before`;
-            Note [a save well before the peak goes at once]).
         wall: the host's clock that ages the saves waiting for a batch (``HAND_OVER_SECONDS``):
             the modelled GPU's on the model (Note [the modelled host's clock decides the hand-over]
             in ``device/cuda.py``).
@@ -74,7 +71,7 @@ class WriteQueue:
                  max_writing_bytes: int, verify: bool, budget: Any, failures: WriteFailures,
                  endurance: Any = None, meter: Any = None, clock: Any = time.perf_counter,
                  wall: Any = time.perf_counter,
-                 gate: Any = None, due: Any = None, early: Any = None) -> None:
+                 gate: Any = None, due: Any = None) -> None:
         self._backend = backend
         self._cache = cache
         # ``with`` takes the lock itself: Condition.__enter__ is Python code, and a
@@ -91,7 +88,6 @@ class WriteQueue:
         self._clock = clock
         self._wall = wall  # the hand-over's clock (Note [the modelled host's clock decides the hand-over])
         self._gate = gate
-        self._early = early  # Note [a save well before the peak goes at once]
         self._due = due
         self._queue: deque[Entry] = deque()
         self.inflight_bytes = 0  # queued (held too) or being written
@@ -103,9 +99,10 @@ class WriteQueue:
         self.completed: deque[Entry] = deque()  # written; memory released at a safe point
 
     # -- pack's side (lock held) --------------------------------------------------------------
-    def hold(self, scope: Any, e: Entry, op: Any) -> None:
+    def hold(self, scope: Any, e: Entry, op: Any, early: bool = False) -> None:
         """Queues ``e`` (QUEUED), saved by op ``op``, as ``scope``'s last save, and the save held
-        before it for real.
+        before it for real; ``early``: a drive's write known to end before its forward's peak, not
+        held (Note [a save well before the peak goes at once]).
 
         Note [the last save waits]: a write starts only once the next save came. The last save
         of a forward is what backward needs first; had its write already started, the bytes
@@ -124,8 +121,7 @@ class WriteQueue:
             e.packed_at = self._wall()
         self._op_began(scope, op)
         held = scope.held
-        if (self._early is not None and getattr(e.extent, "path_index", -1) >= 0  # a drive's write
-                and self._early(scope, self.queued_bytes, self._clock())):
+        if early:
             if held is not None:
                 self._enqueue(scope, held)
                 scope.held = None
@@ -295,7 +291,9 @@ class WriteQueue:
                     elif e.state is State.QUEUED:
                         if not drive and self._due is not None:  # Note [a copy is due from its hand-over]
                             e.extent.due = self._due(e.nbytes)
-                        batch.append((e, e.data))
+                        # Note [an entry's bytes are its storage's]: the tier reads a span by address
+                        batch.append((e, byte_view(e.data, e.lo, e.nbytes, e.device) if drive
+                                      else Span(e.data, e.lo, e.nbytes, e.device)))
                         e.state = State.WRITING
                         self._flight[e.id] = (e, None)
                         self._writing_bytes += e.nbytes

@@ -199,7 +199,7 @@ class TieredBackend(Backend):
         if host:
             self._check_process()
             shared = batches.submit(host)
-        return [shared if type(extent) is HostExtent else inner(extent, t, checksum=checksum, ready=ready)
+        return [shared if type(extent) is HostExtent else inner(extent, _tensor(t), checksum=checksum, ready=ready)
                 for extent, t, checksum, ready in requests], shared
 
     # Note [tier copies are handed over a batch at a time]
@@ -251,7 +251,8 @@ class TieredBackend(Backend):
                 srcs, readys = [src for _, src, _ in chunk], [ready for _, _, ready in chunk]
                 fence = copies.queue_to_host([self.pool.address(ext) for ext, _, _ in chunk], srcs, readys)
                 if fence is None:
-                    fence = copies.queue_copies([self.pool.view(ext) for ext, _, _ in chunk], srcs, readys)
+                    fence = copies.queue_copies([self.pool.view(ext) for ext, _, _ in chunk], [_tensor(s) for s in srcs],
+                                                readys)
                 due = max(ext.due for ext, _, _ in chunk)
                 for ext, _, _ in chunk:
                     ext.due, ext.landed = due, fence
@@ -333,6 +334,12 @@ class TieredBackend(Backend):
         if self.pool is not None:
             self.pool.close()
         self.inner.close()
+
+
+def _tensor(src: Any) -> torch.Tensor:
+    """A write's source as a tensor: a :class:`~ssdtrain.engine.views.Span`'s byte view (Note [an
+    entry's bytes are its storage's]), or the tensor given."""
+    return src if isinstance(src, torch.Tensor) else src.tensor()
 
 
 def _by_device(batch: list[tuple]) -> list[list[tuple]]:
