@@ -130,10 +130,14 @@ class _RefWeak(weakref.ref):
 class Ref:
     """What autograd holds for one save: the entry, and how to rebuild this save's view."""
 
-    __slots__ = ("entry", "dtype", "size", "stride", "offset", "conj", "neg", "gen", "graveyard", "weak", "__weakref__")
+    __slots__ = ("entry", "dtype", "size", "stride", "offset", "conj", "neg", "whole", "gen", "graveyard", "weak",
+                 "__weakref__")
 
-    def __init__(self, entry: Entry, t: torch.Tensor, graveyard, byte_offset: int | None = None) -> None:
-        """``byte_offset``: ``t``'s first byte in its storage, where the caller has it."""
+    def __init__(self, entry: Entry, t: torch.Tensor, graveyard, byte_offset: int | None = None,
+                 whole: bool = False) -> None:
+        """``byte_offset``: ``t``'s first byte in its storage, where the caller has it; ``whole``:
+        ``t`` is contiguous over all of its storage (Note [a whole save is read into its own shape]
+        in ``reader.py``), where the caller knows it."""
         self.graveyard = None  # not counted yet: a Ref that dies before the count files nothing
         self.entry = entry
         self.dtype = t.dtype
@@ -147,6 +151,7 @@ class Ref:
         # operation as a bit; a tensor rebuilt on the bytes alone would lose it.
         self.conj = t.is_conj()
         self.neg = t.is_neg()
+        self.whole = whole and not (self.conj or self.neg) and entry.lo == 0 and entry.nbytes == t.nbytes
         self.gen = -1
         # Note [an interrupt never unbalances a count]: the count and the flag that makes __del__
         # give it back are set by two stores with no call between them, so no KeyboardInterrupt

@@ -125,10 +125,12 @@ class SaveHooks:
                 or self._failures.pending):
             self._safe_point(raise_errors=True)  # its conditions, asked here without its call
         op = _op_now()  # Note [a save is copied only after its op returned]
+        whole = False
         if not t.is_contiguous():
             view_lo, view_hi = byte_span(t)
         elif nbytes == storage_bytes:  # contiguous over all of its storage: at offset 0
             view_lo, view_hi = 0, nbytes
+            whole = True
         else:  # views.byte_span's contiguous case, without its call
             view_lo = t.storage_offset() * t.itemsize
             view_hi = view_lo + nbytes
@@ -160,7 +162,7 @@ class SaveHooks:
                         self._check_open()  # the fork check: an entry's bytes go to the backend
                         layer = self._layer_stack[-1] if self._layer_stack else None
                         entry = self._new_entry(t, lo, hi, scope, layer, op, storage)
-                    out = Ref(entry, t, self._graveyard, view_lo)
+                    out = Ref(entry, t, self._graveyard, view_lo, whole)
                 except BaseException:
                     if fresh and entry is not None and entry.refs == 0:  # interrupted: nothing holds it
                         self._drop_ref(entry, -1, None)

@@ -284,8 +284,8 @@ class TieredBackend(Backend):
                 readys += {id(e.landed): e.landed for e, _, _ in part if e.landed is not None}.values()
                 # Note [reads back are issued without the GIL too]; through torch where they cannot be
                 fence = copies.queue_to_device(dsts, [self.pool.address(ext) for ext, _, _ in part], readys)
-                if fence is None:
-                    fence = copies.queue_copies(dsts, [self.pool.view(ext) for ext, _, _ in part], readys)
+                if fence is None:  # byte for byte (a buffer may have its save's shape: Note [a whole save is read into its own shape])
+                    fence = copies.queue_copies([_bytes(d) for d in dsts], [self.pool.view(ext) for ext, _, _ in part], readys)
                 for ext, _, _ in part:
                     ext.back = fence
             else:
@@ -296,8 +296,14 @@ class TieredBackend(Backend):
         with self._lock:
             self.read += sum(ext.nbytes for ext, _, _ in batch)
 
-    def alloc_buffer(self, nbytes: int, dev: torch.device, extent: Any = None) -> torch.Tensor:
+    def alloc_buffer(self, nbytes: int, dev: torch.device, extent: Any = None, shape: Any = None,
+                     dtype: Any = None) -> torch.Tensor:
+        """A buffer for a read of ``extent``: a host extent's of ``shape`` and ``dtype`` if given
+        (``nbytes`` in all: Note [a whole save is read into its own shape] in ``reader.py``), else
+        of bytes."""
         if type(extent) is HostExtent:
+            if shape is not None:
+                return torch.empty(shape, dtype=dtype, device=dev)
             return torch.empty(nbytes, dtype=torch.uint8, device=dev)
         return self.inner.alloc_buffer(nbytes, dev, extent=extent)
 
@@ -340,6 +346,11 @@ def _tensor(src: Any) -> torch.Tensor:
     """A write's source as a tensor: a :class:`~ssdtrain.engine.views.Span`'s byte view (Note [an
     entry's bytes are its storage's]), or the tensor given."""
     return src if isinstance(src, torch.Tensor) else src.tensor()
+
+
+def _bytes(buf: torch.Tensor) -> torch.Tensor:
+    """A fresh (contiguous) read buffer as its bytes, 1-D."""
+    return buf if buf.dtype is torch.uint8 and buf.dim() == 1 else buf.reshape(-1).view(torch.uint8)
 
 
 def _by_device(batch: list[tuple]) -> list[list[tuple]]:
