@@ -44,3 +44,14 @@ def test_the_identity_floor_counts_no_call(tmp_path):
     tokens = torch.randint(0, 512, (2, 64))
     run = pack_cost.measure("identity", model, tokens, 1, str(tmp_path))
     assert run["saves"] > 50 and run["pack_calls"] == 0
+
+
+def test_the_copies_floor_moves_the_bytes_with_no_engine(tmp_path):
+    """Note [the copies' own floor] (``benchmarks/pack_cost.py``): the ``copies`` mode moves each
+    saved storage out and back (bytes counted) and its pack makes at most a couple of calls."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=512, seq=64, layers=2, hidden=64, heads=4))
+    tokens = torch.randint(0, 512, (2, 64))
+    run = pack_cost.measure("copies", model, tokens, 1, str(tmp_path))
+    assert run["saves"] > 50 and run["pack_calls"] <= 3
+    assert run["copied_bytes_per_step"] >= 2 * 2 * 64 * 64 * 4 * 4  # at least a block's activations, out and back
