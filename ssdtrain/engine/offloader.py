@@ -35,7 +35,8 @@ from ssdtrain.store import Backend, make_backend
 from ssdtrain.engine.reader import Reader
 from ssdtrain.host.host_pool import HostExtent
 from ssdtrain.host.tier import TieredBackend
-from ssdtrain.engine.writer import WriteFailures, WriteQueue
+from ssdtrain.engine.failures import WriteFailures
+from ssdtrain.engine.writer import WriteQueue
 
 __all__ = ["Offloader"]
 
