@@ -92,7 +92,7 @@ class Entry:
         self.ref_weaks: list[weakref.ref] = []
         self.scope_dropped = False  # its scope was told it died (once)
         self.packed_at = 0.0  # when it was queued for writing (perf_counter; WriteQueue.hold)
-        self.op = None  # the op that saved it (Note [a save is copied only after its op returned])
+        self.op = None  # the op that saved it (Note [a save is copied only after its op returned]); None: none to wait for
         self.stream = None  # the stream current at its pack (a CUDA save's), fenced once its op returned
         self.pos = -1  # its place in its scope's pack order (Scope.add)
 

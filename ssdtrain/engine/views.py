@@ -80,7 +80,7 @@ def rebuild(buf: torch.Tensor, ref: Any) -> torch.Tensor:
     Note [views come back as views]: every save of one entry is rebuilt on the same buffer with
     its own dtype, size, stride and offset, so overlapping views still overlap after a reload.
     """
-    return rebuild_on(buf.untyped_storage(), buf.storage_offset() + ref.offset, ref, buf.device)
+    return rebuild_on(buf.untyped_storage(), buf.storage_offset() * buf.itemsize + ref.offset, ref, buf.device)
 
 
 def rebuild_on(storage: torch.UntypedStorage, byte_offset: int, ref: Any, device: torch.device) -> torch.Tensor:
