@@ -169,7 +169,8 @@ class _Mover:
         return moved
 
 
-TORCHTUNE_HINT = "pip install torchtune==0.6.1 torchao==0.10.0 datasets omegaconf sentencepiece tiktoken blobfile"
+TORCHTUNE_HINT = ("pip install torchtune==0.6.1 torchao==0.10.0 datasets omegaconf sentencepiece tiktoken blobfile "
+                  "(in a venv of its own: peft refuses torchao below 0.16, and tests/test_transformers.py fails)")
 PEERS = ("save_on_cpu", "torchtune")
 
 
