@@ -193,8 +193,8 @@ class PeakClock:
     def fits(self, nbytes: int, queued: int, now: float) -> bool:
         """At pack: whether a write of ``nbytes``, queued behind ``queued`` bytes not started yet
         and the writes in flight, is predicted done before forward ends (``True`` while the rate
-        or the forward's length is unknown)."""
-        return self._in_time(queued + nbytes, ADMIT_MARGIN, now)
+        or the forward's length is unknown): :meth:`admits` not ``LATE``."""
+        return not self.enforce or self.admits(nbytes, queued, now) != LATE
 
     def may_start(self, scope: object, nbytes: int, now: float) -> bool:
         """Whether a queued write of ``nbytes`` of ``scope`` may go to the drive now, after the

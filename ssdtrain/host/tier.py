@@ -199,7 +199,7 @@ class TieredBackend(Backend):
         if host:
             self._check_process()
             shared = batches.submit(host)
-        return [shared if type(extent) is HostExtent else inner(extent, _tensor(t), checksum=checksum, ready=ready)
+        return [shared if type(extent) is HostExtent else inner(extent, t, checksum=checksum, ready=ready)
                 for extent, t, checksum, ready in requests], shared
 
     # Note [tier copies are handed over a batch at a time]
