@@ -43,6 +43,7 @@ import tempfile
 import threading
 import time
 import types
+from collections import deque
 
 import torch
 
@@ -114,7 +115,8 @@ class _Mover:
 
     def __init__(self) -> None:
         self.pool = torch.empty(256 << 20, dtype=torch.uint8)
-        self.pending: list = []
+        self.pending: deque = deque()  # append and popleft: safe between the two threads
+        self.handed = self.done = 0  # storages handed to the copy thread, and copied (or seen before)
         self.taken: list = []
         self.seen: set = set()
         self.used = 0
@@ -125,12 +127,13 @@ class _Mover:
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         if type(t) is torch.Tensor and not (t.requires_grad and t.is_leaf) and t.nbytes:
-            self.pending.append(t.untyped_storage())  # list.append: atomic under the GIL
+            self.pending.append(t.untyped_storage())
+            self.handed += 1
         return t
 
     def unpack(self, t: torch.Tensor) -> torch.Tensor:
         if self.back is None:  # backward began: the copies back, on a thread of their own
-            self.back = threading.Thread(target=self._copy_out, args=(list(reversed(self.taken)),), daemon=True)
+            self.back = threading.Thread(target=self._copy_out, daemon=True)
             self.back.start()
         return t
 
@@ -140,28 +143,32 @@ class _Mover:
             if not self.pending:
                 time.sleep(0.0002)
                 continue
-            batch, self.pending[:] = list(self.pending), []
-            for s in batch:
-                key = s.data_ptr()
-                if key in self.seen:
-                    continue
+            s = self.pending.popleft()
+            key = s.data_ptr()
+            if key not in self.seen:
                 self.seen.add(key)
                 n = s.nbytes()
                 off = self.used % (self.pool.numel() - n)
                 ctypes.memmove(base + off, key, n)
                 self.used += n
                 self.taken.append((off, n))
+            self.done += 1
 
-    def _copy_out(self, taken: list) -> None:
+    def _copied(self) -> None:
+        """Waits until every storage handed over was copied."""
+        while self.done < self.handed:
+            time.sleep(0.0002)
+
+    def _copy_out(self) -> None:
+        self._copied()  # forward's copies first, as the tier's reads wait for theirs
         base = self.pool.data_ptr()
-        for off, n in taken:
+        for off, n in reversed(self.taken):
             buf = torch.empty(n, dtype=torch.uint8)
             ctypes.memmove(buf.data_ptr(), base + off, n)
 
     def step_done(self) -> int:
         """The step's bytes moved (in and back), and a fresh start for the next step."""
-        while self.pending:
-            time.sleep(0.0002)
+        self._copied()
         if self.back is not None:
             self.back.join()
         moved = 2 * sum(n for _, n in self.taken)
