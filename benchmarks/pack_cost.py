@@ -15,6 +15,7 @@ reports, per path, side by side in one run:
 * ``copies``: identity's hooks, and the bytes a tier step moves moved by two threads with no
   engine (Note [the copies' own floor]: on a CPU host the copies slow the model's own ops);
 * ``tier``: the host tier on (on the CPU: CPU tensors let through it, as in tests/test_tier.py);
+* ``groups``: the tier with its saves in group entries (Note [saves handed over together share an entry]);
 * ``drive``: the memory backend, every save written;
 * ``kept``: every save kept at once (the copy budget closed: what most saves of a GPU forward
   meet once the tier has learned).
@@ -50,6 +51,7 @@ import torch
 import ssdtrain
 from ssdtrain.engine import offloader as offloader_mod
 from ssdtrain.bench.models import GPT, GPTConfig
+from ssdtrain.engine.group import GROUP_SAVES
 
 
 class _Hooks:
@@ -244,6 +246,8 @@ def measure(mode: str, model, tokens, steps: int, path: str) -> dict:
         off = ssdtrain.Offloader(model, path=path, **kw)
         if mode == "kept":
             off._kept_at_once = lambda t, nbytes: "budget_kept_bytes"  # the budget closed at once
+        if mode == "groups":  # Note [saves handed over together share an entry] (off by default)
+            off._group_saves = GROUP_SAVES
         _timed(off, spent, prof)
 
         def ctx():
@@ -317,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--modes", default="identity,copies,kept,tier,drive,save_on_cpu,torchtune")
+    ap.add_argument("--modes", default="identity,copies,kept,tier,groups,drive,save_on_cpu,torchtune")
     ap.add_argument("--intra-op-threads", type=int, default=1,
                     help="torch's intra-op threads while measuring (0: torch's default)")
     ap.add_argument("--json", metavar="FILE")
@@ -387,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     floor = next((r for r in rows if r["mode"] == "copies" and "all_threads_extra_us_per_save" in r), None)
     if floor is not None:  # Note [the copies' own floor]
         for r in rows:
-            if r["mode"] in ("tier", "drive") and "all_threads_extra_us_per_save" in r:
+            if r["mode"] in ("tier", "groups", "drive") and "all_threads_extra_us_per_save" in r:
                 r["all_threads_beyond_copies_us_per_save"] = (r["all_threads_extra_us_per_save"]
                                                               - floor["all_threads_extra_us_per_save"])
                 print(f"{r['mode']}: all threads +{r['all_threads_beyond_copies_us_per_save']:.1f} us a save above "

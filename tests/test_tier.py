@@ -621,11 +621,14 @@ def test_the_first_slab_refused_leaves_the_saves_to_the_drive():
         pool.close()
 
 
-def _exact_tier_steps(off_dir, steps=2):
-    """An Offloader with a 128 MiB tier after ``steps`` exact steps of the GPT, waited for."""
+def _exact_tier_steps(off_dir, steps=2, group_saves=None):
+    """An Offloader with a 128 MiB tier after ``steps`` exact steps of the GPT, waited for
+    (``group_saves``: its saves a group, 1 for an entry a save)."""
     model, loss_fn = _gpt()
     base = step(model, loss_fn, None)
     off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, host_bytes="128MiB")
+    if group_saves is not None:
+        off._group_saves = group_saves
     try:
         for _ in range(steps):
             assert_same(base, step(model, loss_fn, off))
@@ -640,7 +643,8 @@ def test_tier_copies_are_handed_over_a_batch_at_a_time(off_dir, tier_on_cpu, mon
     """Note [tier copies are handed over a batch at a time]: small saves wait in the queue until
     HAND_OVER_SAVES of them are there, and go to the copy thread together, settled by one
     completion each batch; HAND_OVER_BYTES, or a save packed HAND_OVER_SECONDS ago, make them go
-    sooner. Exact all the same."""
+    sooner. Exact all the same. (The per-save path: a save the tier takes has an entry of its own
+    where it joins no group, Note [saves handed over together share an entry].)"""
     from ssdtrain.host import tier
     from ssdtrain.engine import writer
     batches, finishes = [], []
@@ -650,7 +654,7 @@ def test_tier_copies_are_handed_over_a_batch_at_a_time(off_dir, tier_on_cpu, mon
     monkeypatch.setattr(writer.WriteQueue, "_finish_all",
                         lambda self, entries, fut: (finishes.append(len(entries)), real_finish_all(self, entries, fut))[1])
     monkeypatch.setattr(writer, "HAND_OVER_SECONDS", 3600.0)  # batches by count: not by this VM's pace
-    off = _exact_tier_steps(off_dir)
+    off = _exact_tier_steps(off_dir, group_saves=1)
     try:
         copies = off.stats().host_copied_bytes
         assert copies > 0
@@ -913,11 +917,13 @@ def test_a_tier_copy_is_due_from_its_hand_over(off_dir, tier_on_cpu, monkeypatch
     """Note [a copy is due from its hand-over], through the engine: a save held and queued while
     forward goes on gets its due position when the queue hands it to the copy thread, from
     forward's position then, not from where it was packed (there it would be due, and released,
-    as soon as it was copied, the compute stream waiting for the whole copy)."""
+    as soon as it was copied, the compute stream waiting for the whole copy). The per-save path
+    (Note [saves handed over together share an entry]: a group is due from its hand-over alike)."""
     from ssdtrain.engine import writer
     from ssdtrain.host.host_pool import HostExtent
     State = ssdtrain.engine.cache.State
     model, loss_fn, base, off, forward = _tier_setup(off_dir)
+    off._group_saves = 1
     try:
         forward()  # the pool pinned, the engine warm
         clock = off._tier.clock

@@ -25,7 +25,7 @@ from ssdtrain.engine.small import Small, SmallSaves, StorageRef
 from ssdtrain.engine.views import (SPAN_ALIGN, Span, byte_span, byte_view, entry_span, modified,  # noqa: F401
                                    rebuild, rebuild_on)
 
-__all__ = ["State", "Entry", "Ref", "Parts", "Small", "SmallSaves", "StorageIndex", "Cache", "byte_span", "entry_span",
+__all__ = ["State", "Entry", "Ref", "Small", "SmallSaves", "StorageIndex", "Cache", "byte_span", "entry_span",
            "rebuild", "rebuild_on", "byte_view", "Span"]
 
 
@@ -39,7 +39,10 @@ class State(enum.Enum):
 
 
 class Entry:
-    """One stored region of one storage, shared by every save of it."""
+    """One stored region of one storage, shared by every save of it (``grouped``: a
+    :class:`~ssdtrain.engine.group.Group`, of several storages)."""
+
+    grouped = False
 
     __slots__ = (
         "id", "key", "version", "storage_ref", "lo", "nbytes", "device", "scope", "layer", "state",
@@ -116,6 +119,10 @@ class Entry:
         self.guard = None
         self.data = None
 
+    def span(self) -> Span:
+        """Its bytes, for the host tier's copy (Note [an entry's bytes are its storage's])."""
+        return Span(self.data, self.lo, self.nbytes, self.device)
+
 
 # Note [a lost __del__ is found again]: where a Ref's count stands, on its weak reference.
 OWED = 0     # counted in its entry's ``refs``; not given back yet
@@ -130,28 +137,31 @@ class _RefWeak(weakref.ref):
 class Ref:
     """What autograd holds for one save: the entry, and how to rebuild this save's view."""
 
-    __slots__ = ("entry", "dtype", "size", "stride", "offset", "conj", "neg", "whole", "gen", "graveyard", "weak",
-                 "__weakref__")
+    __slots__ = ("entry", "part", "dtype", "size", "stride", "offset", "conj", "neg", "whole", "gen", "graveyard",
+                 "weak", "__weakref__")
 
     def __init__(self, entry: Entry, t: torch.Tensor, graveyard, byte_offset: int | None = None,
-                 whole: bool = False) -> None:
+                 whole: bool = False, part: Any = None) -> None:
         """``byte_offset``: ``t``'s first byte in its storage, where the caller has it; ``whole``:
         ``t`` is contiguous over all of its storage (Note [a whole save is read into its own shape]
-        in ``reader.py``), where the caller knows it."""
+        in ``reader.py``), where the caller knows it; ``part``: the part of a group entry that holds
+        ``t``'s storage (Note [saves handed over together share an entry] in ``group.py``), else the
+        entry itself holds it. ``offset`` counts from the holder's first byte."""
         self.graveyard = None  # not counted yet: a Ref that dies before the count files nothing
         self.entry = entry
+        self.part = part = entry if part is None else part
         self.dtype = t.dtype
         self.size = t.shape  # a torch.Size: a tuple already
         self.stride = t.stride()
         if byte_offset is None:
             byte_offset = t.storage_offset() * t.itemsize
-        self.offset = byte_offset - entry.lo
+        self.offset = byte_offset - part.lo
         # Note [lazy bits travel with the save]: a conjugate or negative view (``z.conj()``,
         # ``x.mH``, ``torch._neg_view``) shares its storage's bytes unchanged and carries the
         # operation as a bit; a tensor rebuilt on the bytes alone would lose it.
         self.conj = t.is_conj()
         self.neg = t.is_neg()
-        self.whole = whole and not (self.conj or self.neg) and entry.lo == 0 and entry.nbytes == t.nbytes
+        self.whole = whole and not (self.conj or self.neg) and part.lo == 0 and part.nbytes == t.nbytes
         self.gen = -1
         # Note [an interrupt never unbalances a count]: the count and the flag that makes __del__
         # give it back are set by two stores with no call between them, so no KeyboardInterrupt
@@ -176,41 +186,6 @@ class Ref:
             self.graveyard.append((self.entry, self.gen, self.weak))
         except Exception:  # pragma: no cover - interpreter shutdown
             pass
-
-
-class Parts:
-    """What autograd holds for a save of a tensor subclass saved by its parts (Note [a DTensor
-    is saved by its parts], ``keep.py``): what pack returned for each tensor part, the other
-    parts, and what ``__tensor_unflatten__`` needs to put them together again.
-
-    Note [in-place after save], for a subclass: an in-place op on a DTensor bumps its own version,
-    not its local shard's (the op on the shard runs below autograd), so the parts' entries cannot
-    see it. ``guard`` (``keep.version_guard``) shares the saved tensor's version counter and
-    holds none of its bytes; a change is found when backward unpacks it.
-    """
-
-    __slots__ = ("cls", "ctx", "packed", "others", "size", "stride", "guard", "version")
-
-    def __init__(self, t: torch.Tensor, ctx: Any, packed: dict[str, Any], others: dict[str, Any],
-                 guard: torch.Tensor) -> None:
-        self.cls, self.ctx, self.packed, self.others = type(t), ctx, packed, others
-        self.size, self.stride, self.version = t.size(), t.stride(), t._version
-        self.guard = guard
-
-    def rebuild(self, unpack: Any) -> torch.Tensor:
-        """The subclass tensor again, its tensor parts brought back by ``unpack``; detached, as
-        a save kept in memory is handed back (``keep.alias``).
-
-        Raises:
-            RuntimeError: the saved tensor was changed in place since it was saved.
-        """
-        now = self.guard._version
-        if now != self.version:
-            raise RuntimeError(modified(f"{self.cls.__name__} of shape {tuple(self.size)}", now, self.version))
-        parts = dict(self.others)
-        parts.update((name, unpack(ref)) for name, ref in self.packed.items())
-        out = self.cls.__tensor_unflatten__(parts, self.ctx, self.size, self.stride)
-        return out.detach() if out.requires_grad else out
 
 
 _SHAREABLE = (State.KEPT, State.QUEUED)
@@ -247,7 +222,12 @@ class StorageIndex:
     def add(self, entry: Entry) -> None:
         self._by_key.setdefault(entry.key, []).append(entry)
 
-    def remove(self, entry: Entry) -> None:
+    def remove(self, entry: Any) -> None:
+        """Forgets ``entry`` (a group entry: each of its parts)."""
+        if entry.key is None:  # a group entry (Note [saves handed over together share an entry])
+            for part in entry.parts:
+                self.remove(part)
+            return
         bucket = self._by_key.get(entry.key)
         if bucket and entry in bucket:
             bucket.remove(entry)
@@ -287,6 +267,23 @@ class Cache:
         self.counters.add(scope.stats_id, "unique_bytes", e.nbytes)
         self.counters.resident(e.nbytes)
         return e
+
+    def add_group(self, g: Entry) -> None:
+        """A new group entry (Note [saves handed over together share an entry] in ``group.py``),
+        KEPT until it is handed over, with its first part."""
+        self.entries[g.id] = g
+        self.add_part(g.parts[0], g.scope.stats_id)
+
+    def add_part(self, p: Any, stats_id: Any) -> None:
+        """A storage joined a group entry."""
+        self.index.add(p)
+        self.counters.add(stats_id, "unique_bytes", p.nbytes)
+        self.counters.resident(p.nbytes)
+
+    def queue_group(self, g: Entry) -> None:
+        """KEPT -> QUEUED: a group's copies (its host extents were reserved as its parts joined)."""
+        g.state = State.QUEUED
+        g.offloaded = True
 
     def queue(self, e: Entry, extent: Any) -> None:
         """KEPT -> QUEUED: ``extent`` reserved for its write."""

@@ -19,7 +19,10 @@ import torch
 from ssdtrain.device import cuda as device
 from ssdtrain.device import measure
 from ssdtrain.engine import keep
-from ssdtrain.engine.cache import Entry, Parts, Ref, Small, State, rebuild_on
+from ssdtrain.engine.cache import Entry, Ref, Small, State, rebuild_on
+from ssdtrain.engine.group import GROUP_BYTES, Group, Part
+from ssdtrain.engine.parts import Parts
+from ssdtrain.host.host_pool import GroupExtent
 from ssdtrain.engine.views import SPAN_ALIGN, byte_span
 from ssdtrain.engine.peak import EARLY, IN_TIME, LATE, possible_bytes
 from ssdtrain.engine.schedule import Scope
@@ -144,11 +147,17 @@ class SaveHooks:
             if self._peak.active:
                 self._peak.produced(nbytes, _now())
             entry = self._cache.index.find(t, view_lo, view_hi) if key in self._cache.index.keys else None
+            part = None
+            if type(entry) is Part:  # a group's (Note [saves handed over together share an entry])
+                part, entry = entry, entry.entry
+                part.whole = None  # saved again: its read is bytes
             if entry is None:  # Note [a save the budget keeps skips the cache]
                 why = self._kept_at_once(t, hi - lo)
                 if why is not None:
                     if tier and key not in small.rows:
                         self._tier.clock.produced(hi - lo)  # Note [the copy clock counts every save]
+                    if scope.group is not None:  # no save joins it after this one: it goes
+                        writer.hand_over_group(scope, op)
                     out = small.add(t, storage, scope.stats_id, why, storage_bytes)
                     if op != scope.op or scope.held is not None:  # else WriteQueue.passed does nothing
                         writer.passed(scope, hi - lo, op)
@@ -162,7 +171,11 @@ class SaveHooks:
                         self._check_open()  # the fork check: an entry's bytes go to the backend
                         layer = self._layer_stack[-1] if self._layer_stack else None
                         entry = self._new_entry(t, lo, hi, scope, layer, op, storage)
-                    out = Ref(entry, t, self._graveyard, view_lo, whole)
+                        if type(entry) is Part:
+                            part, entry = entry, entry.entry
+                    out = Ref(entry, t, self._graveyard, view_lo, whole, part)
+                    if fresh and part is not None and out.whole:
+                        part.whole = (out.size, out.dtype)  # Note [a whole save is read into its own shape]
                 except BaseException:
                     if fresh and entry is not None and entry.refs == 0:  # interrupted: nothing holds it
                         self._drop_ref(entry, -1, None)
@@ -181,24 +194,34 @@ class SaveHooks:
         return Parts(t, ctx, packed, others, keep.version_guard(t, packed))
 
     def _new_entry(self, t: torch.Tensor, lo: int, hi: int, scope: Scope, layer: int | None, op: Any,
-                   storage: Any = None) -> Entry:
+                   storage: Any = None) -> Entry | Part:
         """Under the lock: a new entry, kept or queued for writing (Note [write only what comes
-        back in time] for the budget, Note [write what leaves before the peak] for the time)."""
-        e = self._cache.new(next(self._ids), t, lo, hi, scope, layer, storage)
-        scope.live_entries += 1
-        n = e.nbytes
+        back in time] for the budget, Note [write what leaves before the peak] for the time); or,
+        for a host tier copy, a new part of the scope's open group (Note [saves handed over together
+        share an entry])."""
+        n = hi - lo
         cuda = device.is_cuda(t)  # the modelled GPU's tensors too (Note [an offloader made under the modelled GPU])
         tier = self._tier is not None and (cuda or self._tier_cpu)
         if tier:
             self._tier.clock.produced(n)
             if self._fwd_dev is None and cuda:
-                self._fwd_dev = e.device  # forwards are timed on it from the next one on
+                self._fwd_dev = t.device  # forwards are timed on it from the next one on
                 # near this forward's start: Note [the step's peak, seen in backward]
-                self._start_alloc = measure.allocated(e.device) - n
+                self._start_alloc = measure.allocated(t.device) - n
         verdict = IN_TIME if tier else self._peak.admits(n, self._writer.queued_bytes, _now())
         late = verdict == LATE
         choice = self._policy.decide(n, layer, self._writer.has_room(n), budget=self._tier.clock if tier else None,
                                      late=late)
+        asked = tier and choice == "write"
+        extent = self._tier.allocate_host(n, t.device) if asked else None
+        if extent is not None and self._group_saves > 1:
+            part = self._join_group(t, lo, hi, scope, layer, op, storage, extent)
+            if part is not None:
+                return part
+        elif scope.group is not None:  # a save that does not join it: it goes
+            self._writer.hand_over_group(scope, op)
+        e = self._cache.new(next(self._ids), t, lo, hi, scope, layer, storage)
+        scope.live_entries += 1
         if choice == "wait":
             waited = self._writer.wait_for_room(n, self._scopes.by_id.values(), op)
             for field, amount in (("backpressure_waits", 1), ("backpressure_stall_seconds", waited),
@@ -214,7 +237,8 @@ class SaveHooks:
                 self._counters.add(scope.stats_id, "peak_kept_bytes", n)
             self._writer.passed(scope, n, op)  # pumped by pack's caller if so: the entry is not queued
             return e
-        extent = self._tier.allocate_host(n, e.device) if tier else None
+        if tier and not asked:
+            extent = self._tier.allocate_host(n, e.device)
         if extent is None and tier:  # the pool had no room: no copy of it is handed over
             self._tier.clock.dropped(n)  # Note [a copy is due from its hand-over]
             if self.config.when_full == "keep" and not self._budget.allows(n):
@@ -234,9 +258,40 @@ class SaveHooks:
         e.op = op if (t if base is None else base).grad_fn is None else None
         e.stream = device.producer_stream(t)  # fenced once its op returned (WriteQueue._queue_now)
         scope.add(e)
-        # Note [a save well before the peak goes at once] (``writer.py``): not held for the next save
+        # Note [a save well before the peak goes at once] (``peak.py``): not held for the next save
         self._writer.hold(scope, e, op, verdict == EARLY and scope is self._peak.scope)
         return e
+
+    def _join_group(self, t: torch.Tensor, lo: int, hi: int, scope: Scope, layer: int | None, op: Any,
+                    storage: Any, extent: Any) -> Part | None:
+        """Under the lock: ``t``'s bytes ``[lo, hi)``, copied to host ``extent``, join ``scope``'s
+        open group, or a new one (Note [saves handed over together share an entry]); its part. None:
+        it is an entry of its own (Note [the last save waits]: under a quarter of the open group's
+        last save, which does not go for it)."""
+        g = scope.group
+        stream = device.producer_stream(t)
+        n = hi - lo
+        if g is not None and (len(g.parts) >= self._group_saves or g.nbytes + n > GROUP_BYTES or g.stream is not stream
+                              or g.device != t.device):
+            if 4 * n < g.parts[-1].nbytes:
+                return None
+            self._writer.hand_over_group(scope, op)
+            g = None
+        base = t._base
+        waits = (t if base is None else base).grad_fn is None  # Note [bytes an earlier op made may go at once]
+        if g is None:
+            g = scope.group = Group(next(self._ids), t, lo, hi, scope, layer, storage, extent, GroupExtent())
+            self._cache.add_group(g)
+            scope.live_entries += 1
+            scope.add(g)
+            g.stream = stream
+            g.op = op if waits else None
+            return g.parts[0]
+        p = g.add(t, lo, hi, storage, extent)
+        self._cache.add_part(p, scope.stats_id)
+        if waits:
+            g.op = op
+        return p
 
     # -- safe points -----------------------------------------------------------------------------
     def _safe_point(self, *, raise_errors: bool) -> None:
@@ -360,9 +415,10 @@ class SaveHooks:
             if not scope.backward_started:
                 self._begin_backward(scope)
             scope.armed = False
-            e.check_version()
-            if e.tainted:
-                raise RuntimeError(e.tainted)
+            p = ref.part  # the entry, or its part (Note [saves handed over together share an entry])
+            p.check_version()
+            if p.tainted:
+                raise RuntimeError(p.tainted)
             if e.data is None and e.consumed_pass == scope.passes and e.loaded is None:
                 # Unpacked again after every save of it was: a new backward pass (retain_graph).
                 scope.passes += 1
@@ -373,7 +429,7 @@ class SaveHooks:
                 if e.state is State.QUEUED:
                     self._writer.cancel(e)
                 self._cache.forwarded(e)
-                return device.for_consumer(rebuild_on(e.data, e.lo + ref.offset, ref, e.device))
+                return device.for_consumer(rebuild_on(p.data, p.lo + ref.offset, ref, e.device))
             if e.error is not None:
                 # A fresh copy each time: a raised exception keeps its traceback, and the
                 # frames in it (holding saved references) must not live on in the entry.
@@ -420,6 +476,10 @@ class SaveHooks:
         if step and self._peak.active:
             self._forward_ended(scope, now)
         scope.restart()
+        g, scope.group = scope.group, None
+        if g is not None and g.state is State.KEPT and g.extent is not None:  # its copies never went
+            self._cache.free_extent(g)
+            self._counters.add(scope.stats_id, "adaptive_keep_bytes", g.nbytes)
         for e in scope.queued():
             self._writer.cancel(e)
             self._counters.add(scope.stats_id, "adaptive_keep_bytes", e.nbytes)

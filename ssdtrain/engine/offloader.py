@@ -33,7 +33,7 @@ from ssdtrain.engine.schedule import DriveAdvice, KeepPolicy, ReadWindow, Scope,
 from ssdtrain.engine.stats import Counters, OffloadStats
 from ssdtrain.store import Backend, make_backend
 from ssdtrain.engine.reader import Reader
-from ssdtrain.host.host_pool import HostExtent
+from ssdtrain.host.host_pool import GroupExtent, HostExtent
 from ssdtrain.host.tier import TieredBackend
 from ssdtrain.engine.failures import WriteFailures
 from ssdtrain.engine.writer import WriteQueue
@@ -109,6 +109,9 @@ class Offloader(hooks.SaveHooks):
         self._cache = Cache(self._counters, self._backend.free)
         self._entries = self._cache.entries
         self._small_bytes = config.min_bytes  # smaller storages: Note [a small save skips the cache]
+        # Note [saves handed over together share an entry]: GROUP_SAVES turns groups on; off by default
+        # until they keep the modelled GPU's peaks (they raised two, 2026-11-29)
+        self._group_saves = 1
         self._endurance = None
         if self.backend in ("posix", "kvikio"):
             self._endurance = EnduranceMonitor(list(config.paths), config.rated_tbw, config.endurance_horizon_days)
@@ -323,6 +326,8 @@ class Offloader(hooks.SaveHooks):
                 self._scopes.active.pop()
         with self._lock:
             self._scopes.forget_if_empty(scope)
+            if scope.group is not None and len(scope.group.parts) > 1:  # its copies go as forward ends
+                self._writer.hand_over_group(scope, None)
         self._writer.pump()
         if self._endurance is not None:  # once per step or micro-batch: it stats the drives
             msg = self._endurance.check()
@@ -380,6 +385,8 @@ class Offloader(hooks.SaveHooks):
         """Whether the save written to ``ext`` may leave memory now: on a drive, copied with no
         device, due by the copy clock, or its copy's fence passed (asked on the training thread:
         Note [a lagging copy is looked at without the lock])."""
+        if type(ext) is GroupExtent:  # as its last copy (Note [saves handed over together share an entry])
+            ext = ext.last
         if type(ext) is not HostExtent or ext.landed is None:
             return True
         return self._tier.clock.is_due(ext.due) or ext.landed.passed()

@@ -201,6 +201,18 @@ class PeakClock:
         writes in flight: not if it is this forward's and would end after it."""
         return scope is not self.scope or self._in_time(nbytes, START_MARGIN, now)
 
+    # Note [a save well before the peak goes at once]
+    # The last save waits (Note [the last save waits], ``writer.py``) because it may be forward's last, which
+    # backward needs first. A drive's write that the peak clock (Note [write what leaves before the
+    # peak]) knows will end before its forward's peak (the drive's rate and the
+    # forward's length known, the writes queued ahead of it counted) is not that save: forward goes
+    # on for at least as long. Held, it waited for the next save, which with checkpointed blocks is
+    # the next block's input, a whole block later: on the bench decoder under a 25 MB/s drive
+    # (issue 64, item 4) block 0's input (8.4 MB, 0.34 s to write) started at block 1's, 0.19 s
+    # into a 1.49 s forward, and only three of the four writes the drive had time for ended before
+    # the peak. Such a save is queued at once (and the one held before it); it still goes only
+    # once its op returned, unless an earlier op made its bytes (Note [bytes an earlier op made may
+    # go at once] in ``writer.py``).
     def admits(self, nbytes: int, queued: int, now: float) -> int:
         """At pack, for a write of ``nbytes`` queued behind ``queued`` bytes not started yet and the
         writes in flight: ``LATE`` if it is predicted to end after this forward's peak (``fits``

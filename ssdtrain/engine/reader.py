@@ -11,6 +11,8 @@ import torch
 from ssdtrain.device import copies
 from ssdtrain.device import cuda as device
 from ssdtrain.engine.cache import Cache, Entry, Ref, rebuild
+from ssdtrain.engine.group import Bufs
+from ssdtrain.engine.group import requests as group_requests
 from ssdtrain.engine.schedule import ReadWindow, Scope, WriteBudget
 from ssdtrain.store import Backend, StorageError, on_drive
 from ssdtrain.store._mem import profiled
@@ -71,10 +73,13 @@ class Reader:
         bufs = [self._buffer(e) for e in entries]
         fences: dict = {}
         for buf in bufs:
-            if buf.device not in fences:
-                fences[buf.device] = device.consumer_fence(buf)
-        futures = self._many([(e.extent, buf, e.checksum, fences[buf.device]) for e, buf in zip(entries, bufs)])
-        for e, buf, fut in zip(entries, bufs, futures):
+            last = buf[-1] if type(buf) is Bufs else buf  # a group's: one a part
+            if last.device not in fences:
+                fences[last.device] = device.consumer_fence(last)
+        requests, firsts = group_requests([(e, buf, e.checksum, fences[(buf[0] if type(buf) is Bufs else buf).device])
+                                           for e, buf in zip(entries, bufs)])
+        futures = self._many(requests)
+        for e, buf, fut in zip(entries, bufs, [futures[i] for i in firsts]):
             self._cache.reading(e, buf, fut)
 
     # Note [a whole save is read into its own shape]
@@ -85,6 +90,10 @@ class Reader:
     # bytes (their reads align and checksum them).
     def _buffer(self, e: Entry) -> torch.Tensor:
         """A fresh buffer for ``e``'s read (Note [a whole save is read into its own shape])."""
+        if e.grouped:  # a buffer a part (Note [saves handed over together share an entry])
+            alloc = self._backend.alloc_buffer
+            return Bufs(alloc(p.nbytes, e.device, extent=p.extent, shape=p.whole[0], dtype=p.whole[1]) if p.whole
+                        else alloc(p.nbytes, e.device, extent=p.extent) for p in e.parts)
         weaks = e.ref_weaks
         if self._many is not None and len(weaks) == 1 and not on_drive(e.extent):
             ref = weaks[0]()
@@ -95,7 +104,10 @@ class Reader:
     def issue(self, e: Entry) -> None:
         """Starts reading ``e`` back into a fresh buffer."""
         buf = self._buffer(e)
-        fut = self._backend.submit_read(e.extent, buf, checksum=e.checksum, ready=device.consumer_fence(buf))
+        if e.grouped:
+            fut = self._many(group_requests([(e, buf, None, device.consumer_fence(buf[-1]))])[0])[0]
+        else:
+            fut = self._backend.submit_read(e.extent, buf, checksum=e.checksum, ready=device.consumer_fence(buf))
         self._cache.reading(e, buf, fut)
 
     def claim(self, e: Entry) -> tuple[Any, torch.Tensor]:
@@ -137,9 +149,11 @@ class Reader:
         if ref.gen != e.gen:
             ref.gen = e.gen
             e.unpacked_refs += 1
+        if e.grouped:  # its part's buffer (Note [saves handed over together share an entry])
+            buf = buf[ref.part.index]
         # Note [a whole save is read into its own shape]: the buffer is the save
         out = buf if ref.whole and buf.dtype is ref.dtype and buf.shape == ref.size else rebuild(buf, ref)
-        ext = e.extent
+        ext = ref.part.extent
         back = getattr(ext, "back", None)  # the host tier's copy back, queued on a side stream
         self._cache.unload(e)
         return out, ext, back

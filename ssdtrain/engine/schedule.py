@@ -55,6 +55,7 @@ class Scope:
         self.top_layer: int | None = None
         self.armed = False       # backward announced, nothing unpacked yet
         self.held: Entry | None = None  # the last save, its write not queued yet (engine's Note)
+        self.group: Any = None  # its open group (Note [saves handed over together share an entry])
         self.resume: list[int] = []  # cursors to go back to (Note [backward that jumps down the pack order])
         self.missed_at: int | None = None  # where backward last needed a save the read-ahead had not reached
         self.op: object = None  # the op that saved last (Note [a save is copied only after its op returned])
@@ -166,6 +167,8 @@ class Scope:
         self.live_entries -= 1
         if self.held is e:
             self.held = None
+        if self.group is e:
+            self.group = None
         if e in self.fresh:
             self.fresh.remove(e)
         return self.live_entries == 0

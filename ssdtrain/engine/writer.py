@@ -1,6 +1,6 @@
 """The write queue: writes waiting in pack order, the bytes in flight, backpressure, completion.
 
-Pack hands entries to :class:`WriteQueue` (through :meth:`WriteQueue.hold`) and
+Pack hands entries to :class:`WriteQueue` (:meth:`~WriteQueue.hold`, :meth:`~WriteQueue.hand_over_group`) and
 :meth:`WriteQueue.pump` moves them to the backend, a few at a time: from pack, and again from
 each write's completion, so the drive never idles while writes wait (not until the next save,
 which may come a long op later). Every count lives under the engine's lock, which the queue
@@ -17,8 +17,9 @@ from functools import partial
 from typing import Any
 
 from ssdtrain.device import cuda as device
-from ssdtrain.engine.cache import Cache, Entry, Span, State, byte_view
+from ssdtrain.engine.cache import Cache, Entry, State, byte_view
 from ssdtrain.engine.failures import WriteFailures
+from ssdtrain.engine.group import requests as group_requests
 from ssdtrain.store import Backend, on_drive
 from ssdtrain.store._mem import profiled
 
@@ -27,15 +28,12 @@ __all__ = ["WriteQueue", "WriteFailures"]
 WRITE_AHEAD = 0.02
 """Seconds of the drive's (measured) writing handed to it at once: ``WriteQueue._writing_cap``."""
 HAND_OVER_SAVES = 8
-"""Saves queued before pack hands them to a backend that takes writes in batches (the host tier),
-unless ``HAND_OVER_BYTES`` or ``HAND_OVER_SECONDS`` come first (Note [tier copies are handed over
-a batch at a time])."""
+"""Saves queued before pack hands them to a backend that takes writes in batches (the host tier), unless
+``HAND_OVER_BYTES`` or ``HAND_OVER_SECONDS`` come first (Note [tier copies are handed over a batch at a time])."""
 HAND_OVER_BYTES = 256 << 20
-"""Bytes queued that are handed over however few the saves: about 5 ms of a 54 GB/s copy engine,
-two to eight saves of the bench's GPU shape."""
+"""Bytes queued that are handed over however few the saves: 5 ms of a 54 GB/s copy engine."""
 HAND_OVER_SECONDS = 0.001
-"""The oldest queued save's age (since its pack) at which the queue is handed over however little
-waits: a long sequence's block inputs, a block apart, go at the next save."""
+"""The oldest queued save's age (since its pack) at which the queue is handed over however little waits."""
 
 
 class WriteQueue:
@@ -86,7 +84,7 @@ class WriteQueue:
         self._endurance = endurance
         self._meter = meter
         self._clock = clock
-        self._wall = wall  # the hand-over's clock (Note [the modelled host's clock decides the hand-over])
+        self.wall = wall  # the hand-over's clock (Note [the modelled host's clock decides the hand-over])
         self._gate = gate
         self._due = due
         self._queue: deque[Entry] = deque()
@@ -102,7 +100,7 @@ class WriteQueue:
     def hold(self, scope: Any, e: Entry, op: Any, early: bool = False) -> None:
         """Queues ``e`` (QUEUED), saved by op ``op``, as ``scope``'s last save, and the save held
         before it for real; ``early``: a drive's write known to end before its forward's peak, not
-        held (Note [a save well before the peak goes at once]).
+        held (Note [a save well before the peak goes at once] in ``peak.py``).
 
         Note [the last save waits]: a write starts only once the next save came. The last save
         of a forward is what backward needs first; had its write already started, the bytes
@@ -118,21 +116,16 @@ class WriteQueue:
         """
         self.inflight_bytes += e.nbytes
         if self._many is not None:  # its age makes a batch go (pack_pumps)
-            e.packed_at = self._wall()
+            e.packed_at = self.wall()
         self._op_began(scope, op)
         held = scope.held
-        if early:
-            if held is not None:
-                self._enqueue(scope, held)
-                scope.held = None
-            self._enqueue(scope, e)
-            return
-        if held is not None and 4 * e.nbytes < held.nbytes:
-            self._enqueue(scope, e)
-            return
-        if held is not None:
+        if held is not None and (early or 4 * e.nbytes >= held.nbytes):  # not the last save any more
             self._enqueue(scope, held)
-        scope.held = e
+            scope.held = held = None
+        if early or held is not None:  # it goes at once; or it is under a quarter of the held one
+            self._enqueue(scope, e)
+        else:
+            scope.held = e
 
     def passed(self, scope: Any, nbytes: int, op: Any) -> bool:
         """A save of ``nbytes`` by op ``op`` came after ``scope``'s held one and is kept: the held
@@ -158,18 +151,20 @@ class WriteQueue:
             if scope.held is not None:
                 self._enqueue(scope, scope.held)
                 scope.held = None
+            self.hand_over_group(scope, op)
 
-    # Note [a save well before the peak goes at once]
-    # The last save waits (Note [the last save waits]) because it may be forward's last, which
-    # backward needs first. A drive's write that the peak clock (Note [write what leaves before the
-    # peak] in ``peak.py``) knows will end before its forward's peak (the drive's rate and the
-    # forward's length known, the writes queued ahead of it counted) is not that save: forward goes
-    # on for at least as long. Held, it waited for the next save, which with checkpointed blocks is
-    # the next block's input, a whole block later: on the bench decoder under a 25 MB/s drive
-    # (issue 64, item 4) block 0's input (8.4 MB, 0.34 s to write) started at block 1's, 0.19 s
-    # into a 1.49 s forward, and only three of the four writes the drive had time for ended before
-    # the peak. Such a save is queued at once (and the one held before it); it still goes only
-    # once its op returned, unless an earlier op made its bytes (the next Note).
+    def hand_over_group(self, scope: Any, op: Any) -> None:
+        """``scope``'s open group (if any) joins the queue, by a save of op ``op`` (None: between
+        ops): Note [saves handed over together share an entry] in ``group.py``."""
+        g, scope.group = scope.group, None
+        if g is None or g.state is not State.KEPT:  # none, or freed meanwhile
+            return
+        self._cache.queue_group(g)
+        self.inflight_bytes += g.nbytes
+        g.packed_at = self.wall()
+        self._op_began(scope, op)  # None: between ops, every op returned
+        self._enqueue(scope, g)
+
     # Note [bytes an earlier op made may go at once]
     # The op-return rule below guards the bytes an op writes after it saved them without a version
     # bump: buffers such as ``rrelu``'s ``noise``, which carry no autograd history. A tensor with a
@@ -292,8 +287,7 @@ class WriteQueue:
                         if not drive and self._due is not None:  # Note [a copy is due from its hand-over]
                             e.extent.due = self._due(e.nbytes)
                         # Note [an entry's bytes are its storage's]: the tier reads a span by address
-                        batch.append((e, byte_view(e.data, e.lo, e.nbytes, e.device) if drive
-                                      else Span(e.data, e.lo, e.nbytes, e.device)))
+                        batch.append((e, byte_view(e.data, e.lo, e.nbytes, e.device) if drive else e.span()))
                         e.state = State.WRITING
                         self._flight[e.id] = (e, None)
                         self._writing_bytes += e.nbytes
@@ -306,7 +300,9 @@ class WriteQueue:
             if many is not None and batch:  # Note [tier copies are handed over a batch at a time]
                 submitting = batch
                 try:
-                    futures, shared = many([(e.extent, src, self._verify, e.fence) for e, src in batch])
+                    requests, firsts = group_requests([(e, src, self._verify, e.fence) for e, src in batch])
+                    futures, shared = many(requests)
+                    futures = [futures[i] for i in firsts]
                 except Exception as err:  # the pool is gone (closing) or the backend refused
                     submitting = None
                     for e, _ in batch:
@@ -377,8 +373,9 @@ class WriteQueue:
             return False
         if self._many is None or getattr(head.extent, "path_index", 0) >= 0:  # on_drive, inline
             return True  # a drive's write first: at once, as ever
-        return not self._batches and (len(self._queue) >= HAND_OVER_SAVES or self.queued_bytes >= HAND_OVER_BYTES
-                                      or self._wall() - head.packed_at >= HAND_OVER_SECONDS)
+        return not self._batches and (head.grouped or len(self._queue) >= HAND_OVER_SAVES
+                                      or self.queued_bytes >= HAND_OVER_BYTES
+                                      or self.wall() - head.packed_at >= HAND_OVER_SECONDS)
 
     # The queue of a batched backend is emptied by pack once a batch's worth waits; by every
     # other pump (wait(), backpressure, a drive write's completion) whatever waits.

@@ -93,6 +93,35 @@ class HostExtent:
         self.ordered = False  # a consumer's stream was made to wait for ``back`` (Note [a pool extent outlives its copy back])
 
 
+class GroupExtent:
+    """The host extents of a group entry's parts, in order (Note [saves handed over together share
+    an entry] in ``engine/group.py``), answering for them as one: no drive space; due and landed as
+    its last copy is (copies of a batch land in order); freed part by part (``TieredBackend.free``)."""
+
+    __slots__ = ("parts",)
+    length, path_index = 0, -1
+
+    def __init__(self) -> None:
+        self.parts: list[HostExtent] = []
+
+    @property
+    def last(self) -> HostExtent:
+        return self.parts[-1]
+
+    @property
+    def landed(self) -> Any:
+        return self.parts[-1].landed
+
+    @property
+    def due(self) -> float:
+        return self.parts[-1].due
+
+    @due.setter
+    def due(self, when: float) -> None:
+        for ext in self.parts:
+            ext.due = when
+
+
 class HostPool:
     """Pinned host memory in slabs, up to ``capacity`` bytes; thread-safe.
 

@@ -32,7 +32,7 @@ import torch
 from ssdtrain.device import copies, measure
 from ssdtrain.device import cuda as device
 from ssdtrain.host.copy_clock import CopyClock
-from ssdtrain.host.host_pool import HostExtent, HostPool, _host_empty, auto_host_bytes
+from ssdtrain.host.host_pool import GroupExtent, HostExtent, HostPool, _host_empty, auto_host_bytes
 from ssdtrain.store._pool import IOFuture, IOPool
 from ssdtrain.store.base import Backend, Extent
 
@@ -172,6 +172,9 @@ class TieredBackend(Backend):
             if back is not None and not extent.ordered:
                 back()
             self.pool.free(extent)
+        elif type(extent) is GroupExtent:  # Note [saves handed over together share an entry]
+            for ext in extent.parts:
+                self.free(ext)
         else:
             self.inner.free(extent)
 

@@ -1,0 +1,149 @@
+"""Saves of the host tier handed over together, held as one entry: :class:`Group` and its :class:`Part` s.
+
+Note [saves handed over together share an entry]
+The host tier's copies go to the copy thread a batch at a time (Note [tier copies are handed over a
+batch at a time] in ``host/tier.py``), but each save was still an entry of its own: an Entry made,
+indexed, ordered in its scope, queued, handed over, settled at its completion, released at a safe
+point, read back and unloaded, one by one. On the CPU that was 112-127 us of all threads a save
+above the copies' own cost and 44-55 us of pack (issue 64, 2026-11-29), spread over some forty
+functions a save; a prototype that gave a batch one entry (``benchmarks/investigations/
+batch_entry.py``) spent a few. So the tier's saves of one scope now join its open :class:`Group`,
+one entry for up to ``GROUP_SAVES`` storages (or ``GROUP_BYTES``, or ``GROUP_SECONDS`` old): the
+group is queued, copied (one request, each part into its own host extent), released, read back (one
+request, each part into its own buffer) and freed as one entry, with one state, one place in the
+read-ahead order, one count of live saves. What every save still pays is what it must: the
+decision of the copy budget, its host extent (so that a save the pool has no room for spills to the
+drives as before, on an entry of its own), its storage's record (:class:`Part`: the dedup index
+finds it, its version is checked, its view is rebuilt on its storage or its buffer) and its
+:class:`~ssdtrain.engine.cache.Ref`.
+
+What it changes: a group is released, read back and given back as a whole. Its storages leave the
+device when its last copy is due (they were handed over together already); its reads land together
+(they were issued together already); its buffers go when the last of its saves was unpacked (at
+most ``GROUP_SAVES`` saves of one forward held a little longer in backward). A group still open when
+backward begins stays in memory, as the queued saves did (adaptive keep: the last saves of a
+forward, which backward needs first); ``wait()``, another forward and backpressure hand it over, as
+they queue the held last save. Drives' writes (a spill, or no tier) keep one entry a save.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from ssdtrain.engine.cache import Entry, Span
+from ssdtrain.engine.small import StorageRef
+from ssdtrain.host.tier import FENCE_BYTES
+
+__all__ = ["Group", "Part", "GROUP_SAVES", "GROUP_BYTES", "Bufs", "requests"]
+
+GROUP_SAVES = 8
+"""Storages a group holds at most (the write queue's ``HAND_OVER_SAVES``): a group is a batch."""
+GROUP_BYTES = FENCE_BYTES
+"""Bytes at which a group is closed: the tier's fence (Note [a copy is due when its fence is] in
+``host/tier.py``). A group leaves memory when its last copy is due; larger, its first saves would
+wait for a later fence than their own, and the peak lose their fall (as it did when a whole batch
+was due at once)."""
+
+
+class Part:
+    """One storage region of a :class:`Group`: what an :class:`~ssdtrain.engine.cache.Entry` holds for
+    one storage (its key for the index, the version its saves saw, the storage while in memory, the
+    alias that guards the version), and its host extent. It answers the index's questions and the
+    version check as an entry does."""
+
+    __slots__ = ("entry", "index", "key", "storage_ref", "version", "data", "lo", "nbytes", "guard", "guard_weak",
+                 "extent", "tainted", "whole")
+
+    @property
+    def state(self) -> Any:
+        return self.entry.state
+
+    @property
+    def layer(self) -> int | None:
+        return self.entry.layer
+
+    @property
+    def device(self) -> torch.device:
+        return self.entry.device
+
+    covers = Entry.covers
+    current_version = Entry.current_version
+    check_version = Entry.check_version
+
+
+class Bufs(list):
+    """A group's read buffers, one a part, in order (a list that a weak reference can hold:
+    ``Entry.loaded_weak``)."""
+
+    __slots__ = ("__weakref__",)
+
+
+class Group(Entry):
+    """One entry for the saves of a scope handed over together (Note [saves handed over together
+    share an entry]): ``data`` is its parts while they are in memory; ``extent`` a
+    :class:`~ssdtrain.host.host_pool.GroupExtent`; ``key`` None (the index holds its parts)."""
+
+    __slots__ = ("parts",)
+    grouped = True
+
+    def __init__(self, id_: int, t: torch.Tensor, lo: int, hi: int, scope: Any, layer: int | None,
+                 storage: torch.UntypedStorage, extent: Any, group_extent: Any) -> None:
+        super().__init__(id_, t, lo, hi, scope, layer, storage)
+        first = Part()
+        first.entry, first.index, first.key, first.storage_ref, first.version = self, 0, self.key, self.storage_ref, \
+            self.version
+        first.data, first.lo, first.nbytes, first.guard, first.guard_weak = storage, lo, hi - lo, self.guard, \
+            self.guard_weak
+        first.extent, first.tainted, first.whole = extent, None, None
+        self.parts = [first]
+        self.data = self.parts
+        self.key = self.storage_ref = self.version = self.guard = self.guard_weak = None
+        self.lo = 0
+        self.extent = group_extent
+        group_extent.parts.append(extent)
+
+    def add(self, t: torch.Tensor, lo: int, hi: int, storage: torch.UntypedStorage, extent: Any) -> Part:
+        """A new storage region of ``t``'s joins (its bytes ``[lo, hi)``, its host extent)."""
+        p = Part()
+        p.entry, p.index, p.key = self, len(self.parts), storage._cdata
+        p.storage_ref = weak = StorageRef()
+        weak.cdata = storage._weak_ref()
+        p.version, p.data, p.lo, p.nbytes = t._version, storage, lo, hi - lo
+        p.guard, p.guard_weak = t.detach(), weakref.ref(t)
+        p.extent, p.tainted, p.whole = extent, None, None
+        self.parts.append(p)
+        self.extent.parts.append(extent)
+        self.nbytes += p.nbytes
+        return p
+
+    def check_version(self) -> None:
+        """Each part's (Note [in-place after save]): a part changed taints its saves alone."""
+        for p in self.parts:
+            p.check_version()
+
+    def release_memory(self) -> None:
+        for p in self.parts:
+            p.guard = p.data = None
+        self.data = None
+
+    def span(self) -> list:
+        """Its parts' bytes, one :class:`~ssdtrain.engine.views.Span` a part, for the copies in."""
+        return [Span(p.data, p.lo, p.nbytes, self.device) for p in self.parts]
+
+
+def requests(items: list[tuple]) -> tuple[list[tuple], list[int]]:
+    """Requests ``(entry, source or buffer, checksum, fence)`` to the host tier as the tier takes
+    them, ``(extent, source or buffer, checksum, fence)``: a group's one a part, with its part's
+    extent and source or buffer; and where each entry's first request is."""
+    out: list[tuple] = []
+    firsts = []
+    for e, src, checksum, fence in items:
+        firsts.append(len(out))
+        if e.grouped:
+            out += [(p.extent, s, checksum, fence) for p, s in zip(e.parts, src)]
+        else:
+            out.append((e.extent, src, checksum, fence))
+    return out, firsts

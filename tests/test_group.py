@@ -1,0 +1,164 @@
+"""Note [saves handed over together share an entry]: the host tier's saves of a scope join one group
+entry, copied, released, read back and freed as one; each save is still checked, rebuilt and
+deduplicated by its own storage."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ssdtrain
+from ssdtrain.engine.cache import State
+from ssdtrain.engine.group import GROUP_BYTES, GROUP_SAVES, Group
+
+from _equiv import assert_same, step
+from test_tier import _gpt, tier_on_cpu  # noqa: F401  (a fixture)
+
+
+def _off(off_dir, model=None, group_saves=GROUP_SAVES):
+    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, host_bytes="64MiB")
+    off._group_saves = group_saves
+    return off
+
+
+@pytest.mark.parametrize("wait", [False, True])
+def test_groups_are_exact_and_fewer_entries_than_saves(off_dir, tier_on_cpu, wait):
+    """The GPT (attention, norms, dropout, views) through the tier in groups: gradients equal those
+    without offloading and those of one entry a save; the copies are the same bytes, held in about
+    GROUP_SAVES times fewer entries."""
+    model, loss_fn = _gpt()
+    base = step(model, loss_fn, None)
+    seen = {}
+    for group_saves in (1, GROUP_SAVES):
+        off = _off(off_dir, model, group_saves)
+        try:
+            live = []
+            for _ in range(3):
+                model.zero_grad(set_to_none=True)
+                torch.manual_seed(1234)
+                with off:
+                    loss = loss_fn()
+                    live.append(off.stats().live_entries)
+                    if wait:
+                        off.wait()
+                loss.backward()
+                assert_same(base, (loss.detach(), [p.grad.clone() for p in model.parameters()]))
+            off.wait()
+            s = off.stats()
+        finally:
+            off.close()
+        seen[group_saves] = (max(live), s)
+    (one, per_save), (grouped, groups) = seen[1], seen[GROUP_SAVES]
+    assert groups.host_copied_bytes > 0 and groups.live_entries == 0
+    assert groups.unique_bytes == per_save.unique_bytes and groups.saved_bytes == per_save.saved_bytes
+    assert grouped * 4 <= one, (grouped, one)
+    if wait:  # every copy landed before backward, and each came back by a read
+        assert groups.host_read_bytes == groups.host_copied_bytes > 0
+        assert groups.host_copied_bytes == per_save.host_copied_bytes
+
+
+def _pack_all(off, tensors):
+    return [off._pack(t) for t in tensors]
+
+
+def test_a_group_is_read_back_whole_and_each_save_rebuilt(off_dir, tier_on_cpu):
+    """Saves of several storages (views, a transpose, a dtype of their own, a repeated storage) join
+    one group; once copied and released, one read brings them back, each rebuilt with its own view."""
+    off = _off(off_dir)
+    a = torch.randn(32, 32) * 1.0
+    b = torch.randn(16, 8).to(torch.float64)
+    c = torch.randn(8, 8, dtype=torch.complex64)
+    d = torch.arange(64, dtype=torch.int32) * 1
+    saves = [a, a.t(), b, c, c.conj(), d[16:48], a[3:5]]
+    want = [t.clone() if not t.is_conj() else t.resolve_conj() for t in saves]
+    try:
+        with off:
+            refs = _pack_all(off, saves)
+            groups = {id(r.entry) for r in refs}
+            assert len(groups) == 1 and type(refs[0].entry) is Group
+            g = refs[0].entry
+            assert len(g.parts) == 4  # a, b, c, d: one part a storage
+            assert refs[1].part is refs[0].part and refs[6].part is refs[0].part
+        off.wait()  # handed over, copied, its memory released
+        assert g.state is State.ON_DISK and g.data is None and all(p.data is None for p in g.parts)
+        del saves, a, b, c, d
+        outs = [off._unpack(r) for r in reversed(refs)][::-1]
+        for out, w in zip(outs, want):
+            assert out.dtype == w.dtype and out.shape == w.shape
+            assert torch.equal(out.resolve_conj(), w)
+        assert off.stats().host_read_bytes == g.nbytes
+    finally:
+        off.close()
+
+
+def test_an_in_place_change_taints_only_its_own_part(off_dir, tier_on_cpu):
+    """Note [in-place after save] in a group: the part changed after its save raises at its unpack;
+    the group's other saves unpack as saved."""
+    off = _off(off_dir)
+    x, y = torch.randn(64) * 1.0, torch.randn(64) * 1.0
+    want = y.clone()
+    try:
+        with off:
+            rx, ry = _pack_all(off, [x, y])
+            assert rx.entry is ry.entry
+            x.add_(1.0)
+        off.wait()
+        with pytest.raises(RuntimeError, match="modified"):
+            off._unpack(rx)
+        assert torch.equal(off._unpack(ry), want)
+    finally:
+        off.close()
+
+
+def test_groups_close_at_their_size_and_a_small_save_leaves_a_large_one_open(off_dir, tier_on_cpu):
+    """A group takes GROUP_SAVES storages (or GROUP_BYTES), then the next save opens another; where
+    the open group must close, a save under a quarter of its last one is an entry of its own and the
+    large save stays open (Note [the last save waits]: backward needs it first)."""
+    off = _off(off_dir)
+    small = [torch.randn(256) * 1.0 for _ in range(GROUP_SAVES + 1)]
+    large, tiny = torch.randn(GROUP_BYTES // 4 + 1024) * 1.0, torch.randn(256) * 1.0
+    try:
+        with off:
+            refs = _pack_all(off, small)
+            first, second = refs[0].entry, refs[-1].entry
+            assert first is not second and len(first.parts) == GROUP_SAVES and len(second.parts) == 1
+            assert first.state is not State.KEPT  # handed over
+            big = off._pack(large)  # more than GROUP_BYTES with the open group: a group of its own
+            third = big.entry
+            assert third is not second and second.state is not State.KEPT and third.state is State.KEPT
+            alone = off._pack(tiny)
+            assert alone.entry is not third and type(alone.entry) is not Group
+            assert third.state is State.KEPT and off._scopes.active[-1][1].group is third
+        # forward ended, backward begins (``__exit__``): the open group stays, not copied
+        assert third.state is State.KEPT and third.extent is None
+        off.wait()
+        assert third.state is State.KEPT
+        assert torch.equal(off._unpack(big), large) and torch.equal(off._unpack(alone), tiny)
+    finally:
+        off.close()
+
+
+def test_a_group_open_when_backward_begins_stays_in_memory(off_dir, tier_on_cpu):
+    """Adaptive keep: a forward's open group (its last save) is not copied once backward began; its
+    host extent goes back to the pool. The GPT's forward ends with such a group, and is exact."""
+    model, loss_fn = _gpt()
+    base = step(model, loss_fn, None)
+    off = _off(off_dir, model)
+    x = torch.randn(4096) * 1.0
+    try:
+        with off:
+            r = off._pack(x)
+            g = r.entry
+            assert type(g) is Group and g.state is State.KEPT and g.extent is not None
+            used = off._tier.pool.used
+        # backward begins as forward ends (``__exit__``)
+        assert g.state is State.KEPT and g.extent is None and off._tier.pool.used < used
+        assert torch.equal(off._unpack(r), x)
+        del r
+        off.wait()
+        for _ in range(2):
+            assert_same(base, step(model, loss_fn, off))
+        off.wait()
+        assert off.stats().live_entries == 0 and off._tier.pool.used == 0
+    finally:
+        off.close()
