@@ -15,7 +15,8 @@ reports, per path, side by side in one run:
 * ``copies``: identity's hooks, and the bytes a tier step moves moved by two threads with no
   engine (Note [the copies' own floor]: on a CPU host the copies slow the model's own ops);
 * ``tier``: the host tier on (on the CPU: CPU tensors let through it, as in tests/test_tier.py);
-* ``groups``: the tier with its saves in group entries (Note [saves handed over together share an entry]);
+* ``tier-per-save``: the tier with an entry a save, as before group entries (Note [saves handed over
+  together share an entry]);
 * ``drive``: the memory backend, every save written;
 * ``kept``: every save kept at once (the copy budget closed: what most saves of a GPU forward
   meet once the tier has learned).
@@ -51,7 +52,6 @@ import torch
 import ssdtrain
 from ssdtrain.engine import offloader as offloader_mod
 from ssdtrain.bench.models import GPT, GPTConfig
-from ssdtrain.engine.group import GROUP_SAVES
 
 
 class _Hooks:
@@ -246,8 +246,8 @@ def measure(mode: str, model, tokens, steps: int, path: str) -> dict:
         off = ssdtrain.Offloader(model, path=path, **kw)
         if mode == "kept":
             off._kept_at_once = lambda t, nbytes: "budget_kept_bytes"  # the budget closed at once
-        if mode == "groups":  # Note [saves handed over together share an entry] (off by default)
-            off._group_saves = GROUP_SAVES
+        if mode == "tier-per-save":  # the tier with an entry a save (Note [saves handed over together share an entry])
+            off._group_saves = 1
         _timed(off, spent, prof)
 
         def ctx():
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--modes", default="identity,copies,kept,tier,groups,drive,save_on_cpu,torchtune")
+    ap.add_argument("--modes", default="identity,copies,kept,tier,tier-per-save,drive,save_on_cpu,torchtune")
     ap.add_argument("--intra-op-threads", type=int, default=1,
                     help="torch's intra-op threads while measuring (0: torch's default)")
     ap.add_argument("--json", metavar="FILE")
@@ -367,11 +367,11 @@ def main(argv: list[str] | None = None) -> int:
     rate = memcpy_rate(save_bytes)
     print(f"memcpy: {rate / 1e9:.2f} GB/s for copies of {save_bytes} B (one activation of this model), the best of "
           "five passes over 512 distinct tensors")
-    print(f"{'mode':12s} {'saves':>6s} {'pack us':>8s} {'calls':>6s} {'unpack us':>10s} {'fwd ms':>8s} {'bwd ms':>8s}"
+    print(f"{'mode':13s} {'saves':>6s} {'pack us':>8s} {'calls':>6s} {'unpack us':>10s} {'fwd ms':>8s} {'bwd ms':>8s}"
           f" {'fwd +us/save':>13s} {'all threads +us/save':>21s} {'of it copying':>14s} {'beyond':>7s}")
     for r in rows:
         if "unavailable" in r:
-            print(f"{r['mode']:12s} unavailable: {r['unavailable']}")
+            print(f"{r['mode']:13s} unavailable: {r['unavailable']}")
             continue
         extra = ""
         if ref is not None and r["saves"] and r is not ref:
@@ -386,12 +386,12 @@ def main(argv: list[str] | None = None) -> int:
                           f" {r['all_threads_beyond_copy_us_per_save']:7.1f}")
         unpack = f"{r['unpack_us']:10.1f}" if r["unpack_us"] is not None else f"{'-':>10s}"
         bwd = f"{r['backward_ms']:8.2f}" if r["backward_ms"] is not None else f"{'-':>8s}"
-        print(f"{r['mode']:12s} {r['saves']:6.0f} {r['pack_us']:8.1f} {r['pack_calls']:6.1f} {unpack}"
+        print(f"{r['mode']:13s} {r['saves']:6.0f} {r['pack_us']:8.1f} {r['pack_calls']:6.1f} {unpack}"
               f" {r['forward_ms']:8.2f} {bwd}{extra}")
     floor = next((r for r in rows if r["mode"] == "copies" and "all_threads_extra_us_per_save" in r), None)
     if floor is not None:  # Note [the copies' own floor]
         for r in rows:
-            if r["mode"] in ("tier", "groups", "drive") and "all_threads_extra_us_per_save" in r:
+            if r["mode"] in ("tier", "tier-per-save", "drive") and "all_threads_extra_us_per_save" in r:
                 r["all_threads_beyond_copies_us_per_save"] = (r["all_threads_extra_us_per_save"]
                                                               - floor["all_threads_extra_us_per_save"])
                 print(f"{r['mode']}: all threads +{r['all_threads_beyond_copies_us_per_save']:.1f} us a save above "

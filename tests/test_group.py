@@ -162,3 +162,26 @@ def test_a_group_open_when_backward_begins_stays_in_memory(off_dir, tier_on_cpu)
         assert off.stats().live_entries == 0 and off._tier.pool.used == 0
     finally:
         off.close()
+
+
+def test_a_group_whose_saves_all_died_holds_no_storage(off_dir, tier_on_cpu):
+    """A group freed (its saves died: a graph dropped before backward) lets go of every part's
+    storage, though the scope still lists it."""
+    from ssdtrain.engine.small import StorageRef
+    off = _off(off_dir)
+    tensors = [torch.randn(256) * 1.0 for _ in range(3)]
+    alive = [StorageRef() for _ in tensors]
+    for w, t in zip(alive, tensors):
+        w.cdata = t.untyped_storage()._weak_ref()
+    del t
+    try:
+        with off:
+            refs = _pack_all(off, tensors)
+            g = refs[0].entry
+            assert type(g) is Group and len(g.parts) == 3
+        del refs, tensors
+        off.wait()
+        assert g.state is State.FREED and all(p.data is None and p.guard is None for p in g.parts)
+        assert all(w.expired() for w in alive)
+    finally:
+        off.close()

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ssdtrain.engine.ref import COUNTED, FILED, OWED, Ref  # noqa: F401  (Ref: re-exported)
 from ssdtrain.engine.small import Small, SmallSaves, StorageRef
 from ssdtrain.engine.views import (SPAN_ALIGN, Span, byte_span, byte_view, entry_span, modified,  # noqa: F401
                                    rebuild, rebuild_on)
@@ -122,70 +123,6 @@ class Entry:
     def span(self) -> Span:
         """Its bytes, for the host tier's copy (Note [an entry's bytes are its storage's])."""
         return Span(self.data, self.lo, self.nbytes, self.device)
-
-
-# Note [a lost __del__ is found again]: where a Ref's count stands, on its weak reference.
-OWED = 0     # counted in its entry's ``refs``; not given back yet
-FILED = 1    # dying: in the graveyard, given back at the next safe point
-COUNTED = 2  # nothing to give back (not counted yet, or given back)
-
-
-class _RefWeak(weakref.ref):
-    __slots__ = ("filed",)
-
-
-class Ref:
-    """What autograd holds for one save: the entry, and how to rebuild this save's view."""
-
-    __slots__ = ("entry", "part", "dtype", "size", "stride", "offset", "conj", "neg", "whole", "gen", "graveyard",
-                 "weak", "__weakref__")
-
-    def __init__(self, entry: Entry, t: torch.Tensor, graveyard, byte_offset: int | None = None,
-                 whole: bool = False, part: Any = None) -> None:
-        """``byte_offset``: ``t``'s first byte in its storage, where the caller has it; ``whole``:
-        ``t`` is contiguous over all of its storage (Note [a whole save is read into its own shape]
-        in ``reader.py``), where the caller knows it; ``part``: the part of a group entry that holds
-        ``t``'s storage (Note [saves handed over together share an entry] in ``group.py``), else the
-        entry itself holds it. ``offset`` counts from the holder's first byte."""
-        self.graveyard = None  # not counted yet: a Ref that dies before the count files nothing
-        self.entry = entry
-        self.part = part = entry if part is None else part
-        self.dtype = t.dtype
-        self.size = t.shape  # a torch.Size: a tuple already
-        self.stride = t.stride()
-        if byte_offset is None:
-            byte_offset = t.storage_offset() * t.itemsize
-        self.offset = byte_offset - part.lo
-        # Note [lazy bits travel with the save]: a conjugate or negative view (``z.conj()``,
-        # ``x.mH``, ``torch._neg_view``) shares its storage's bytes unchanged and carries the
-        # operation as a bit; a tensor rebuilt on the bytes alone would lose it.
-        self.conj = t.is_conj()
-        self.neg = t.is_neg()
-        self.whole = whole and not (self.conj or self.neg) and part.lo == 0 and part.nbytes == t.nbytes
-        self.gen = -1
-        # Note [an interrupt never unbalances a count]: the count and the flag that makes __del__
-        # give it back are set by two stores with no call between them, so no KeyboardInterrupt
-        # (Python runs signal handlers only at calls and jumps) can separate them.
-        # Note [a lost __del__ is found again]: the weak reference tells wait() whether this Ref
-        # died without filing itself (OWED), is in the graveyard (FILED), or was given back.
-        self.weak = _RefWeak(self)
-        self.weak.filed = COUNTED
-        entry.ref_weaks.append(self.weak)
-        entry.refs += 1
-        self.graveyard = graveyard
-        self.weak.filed = OWED
-
-    def __del__(self) -> None:
-        # Note [release at a safe point]: autograd drops saved references wherever it likes (even
-        # from inside our own pack, through the garbage collector), so a dying Ref only files
-        # itself; the engine settles the count under its lock at its next safe point.
-        if getattr(self, "graveyard", None) is None:  # unset: __init__ was cut short at its start
-            return
-        try:
-            self.weak.filed = FILED  # no call between this and the append: no interrupt either
-            self.graveyard.append((self.entry, self.gen, self.weak))
-        except Exception:  # pragma: no cover - interpreter shutdown
-            pass
 
 
 _SHAREABLE = (State.KEPT, State.QUEUED)
@@ -384,6 +321,12 @@ class Cache:
             e.read_future = e.read_buf = None
             self.counters.resident(-e.nbytes)
 
+    def unread_loaded(self, e: Entry) -> None:
+        """A group's buffers, one of them let go, are given back: it is read again (Note [a group's
+        buffers go part by part] in ``group.py``)."""
+        e.loaded = None
+        self.counters.resident(-e.nbytes)
+
     def read_done(self, e: Entry, future: Any, buf: torch.Tensor) -> None:
         if e.read_future is future:
             e.loaded, e.read_buf, e.read_future = buf, None, None
@@ -398,6 +341,9 @@ class Cache:
         """Once every live save of a reloaded entry has been unpacked, its buffer is held weakly
         (a later pass, with ``retain_graph``, finds it while autograd still holds it)."""
         if e.loaded is not None and e.unpacked_refs >= e.refs:
+            if e.grouped:
+                for p in e.parts:
+                    p.unpacked = 0
             e.loaded_weak = weakref.ref(e.loaded)
             e.loaded = None
             e.consumed_pass = e.scope.passes
@@ -436,7 +382,8 @@ class Cache:
             self.late.append((ext, e.read_future))
         elif e.extent is not None and state is not State.WRITING:
             self.free_extent(e)
-        e.data = e.guard = e.loaded = e.read_buf = e.read_future = None
+        e.release_memory()  # a group's parts' storages too
+        e.loaded = e.read_buf = e.read_future = None
         return state
 
     def lost_refs(self) -> list[tuple[Entry, Any]]:

@@ -17,13 +17,23 @@ drives as before, on an entry of its own), its storage's record (:class:`Part`: 
 finds it, its version is checked, its view is rebuilt on its storage or its buffer) and its
 :class:`~ssdtrain.engine.cache.Ref`.
 
-What it changes: a group is released, read back and given back as a whole. Its storages leave the
-device when its last copy is due (they were handed over together already); its reads land together
-(they were issued together already); its buffers go when the last of its saves was unpacked (at
-most ``GROUP_SAVES`` saves of one forward held a little longer in backward). A group still open when
-backward begins stays in memory, as the queued saves did (adaptive keep: the last saves of a
-forward, which backward needs first); ``wait()``, another forward and backpressure hand it over, as
-they queue the held last save. Drives' writes (a spill, or no tier) keep one entry a save.
+What it changes: a group is released and read back as a whole. Its storages leave the device when
+its last copy is due (they were handed over together already, and a group holds at most
+``GROUP_BYTES``, the tier's fence); its reads land together (they were issued together already). A
+group still open when backward begins stays in memory, as the queued saves did (adaptive keep: the
+last saves of a forward, which backward needs first); the next save that does not fit closes it,
+and ``wait()``, another forward, backpressure and the end of forward (a group of several saves) hand
+it over, as they queue the held last save. Drives' writes (a spill, or no tier) keep one entry a
+save.
+
+Note [a group's buffers go part by part]
+A group's reads land in one buffer a part (:class:`Bufs`). Held until the last of the group's saves
+was unpacked (as an entry's buffer is), the buffers of saves already used stayed with them, and a
+backward's peak rose by up to a group (on the modelled H100's tiny GPT, above the peak without
+offloading: tests/test_device_model_engine.py). So each part counts its saves (``Part.refs``) and
+the ones unpacked in this pass; once all were, the group lets go of that part's buffer (autograd
+holds what it uses). A part unpacked again after that (a new pass before the group's others were
+used) finds its buffer gone, and the group is read again.
 """
 
 from __future__ import annotations
@@ -55,7 +65,7 @@ class Part:
     version check as an entry does."""
 
     __slots__ = ("entry", "index", "key", "storage_ref", "version", "data", "lo", "nbytes", "guard", "guard_weak",
-                 "extent", "tainted", "whole")
+                 "extent", "tainted", "whole", "refs", "unpacked")
 
     @property
     def state(self) -> Any:
@@ -97,7 +107,7 @@ class Group(Entry):
             self.version
         first.data, first.lo, first.nbytes, first.guard, first.guard_weak = storage, lo, hi - lo, self.guard, \
             self.guard_weak
-        first.extent, first.tainted, first.whole = extent, None, None
+        first.extent, first.tainted, first.whole, first.refs, first.unpacked = extent, None, None, 0, 0
         self.parts = [first]
         self.data = self.parts
         self.key = self.storage_ref = self.version = self.guard = self.guard_weak = None
@@ -113,7 +123,7 @@ class Group(Entry):
         weak.cdata = storage._weak_ref()
         p.version, p.data, p.lo, p.nbytes = t._version, storage, lo, hi - lo
         p.guard, p.guard_weak = t.detach(), weakref.ref(t)
-        p.extent, p.tainted, p.whole = extent, None, None
+        p.extent, p.tainted, p.whole, p.refs, p.unpacked = extent, None, None, 0, 0
         self.parts.append(p)
         self.extent.parts.append(extent)
         self.nbytes += p.nbytes

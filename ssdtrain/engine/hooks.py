@@ -434,7 +434,7 @@ class SaveHooks:
                 # A fresh copy each time: a raised exception keeps its traceback, and the
                 # frames in it (holding saved references) must not live on in the entry.
                 raise copy.copy(e.error).with_traceback(None)
-            fut, buf = self._reader.claim(e)
+            fut, buf = self._reader.claim(e, ref)
             if fut is not None and fut.done() and fut.exception() is None:
                 self._reader.landed(e, fut, buf)  # Reader.wait's and finish's counting, done here
                 fut = None

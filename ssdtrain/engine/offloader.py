@@ -26,6 +26,7 @@ from ssdtrain.device import copies, measure
 from ssdtrain.device import cuda as device
 from ssdtrain.engine import hooks, keep, sac_probe
 from ssdtrain.engine.cache import Cache, Entry
+from ssdtrain.engine.group import GROUP_SAVES
 from ssdtrain.config import OffloadConfig
 from ssdtrain.store.endurance import EnduranceMonitor
 from ssdtrain.engine.peak import DriveMeter, PeakClock
@@ -109,9 +110,8 @@ class Offloader(hooks.SaveHooks):
         self._cache = Cache(self._counters, self._backend.free)
         self._entries = self._cache.entries
         self._small_bytes = config.min_bytes  # smaller storages: Note [a small save skips the cache]
-        # Note [saves handed over together share an entry]: GROUP_SAVES turns groups on; off by default
-        # until they keep the modelled GPU's peaks (they raised two, 2026-11-29)
-        self._group_saves = 1
+        # Note [saves handed over together share an entry] (1: an entry a save)
+        self._group_saves = GROUP_SAVES
         self._endurance = None
         if self.backend in ("posix", "kvikio"):
             self._endurance = EnduranceMonitor(list(config.paths), config.rated_tbw, config.endurance_horizon_days)

@@ -110,10 +110,14 @@ class Reader:
             fut = self._backend.submit_read(e.extent, buf, checksum=e.checksum, ready=device.consumer_fence(buf))
         self._cache.reading(e, buf, fut)
 
-    def claim(self, e: Entry) -> tuple[Any, torch.Tensor]:
-        """Backward needs ``e`` (on storage) now: ``(None, buffer)`` when it was read ahead, else
-        ``(future, buffer)`` of its read, issued here if the window had not reached it."""
+    def claim(self, e: Entry, ref: Ref | None = None) -> tuple[Any, torch.Tensor]:
+        """Backward needs ``e`` (on storage) now, for ``ref``: ``(None, buffer)`` when it was read
+        ahead, else ``(future, buffer)`` of its read, issued here if the window had not reached it."""
         buf = e.loaded if e.loaded is not None else (e.loaded_weak() if e.loaded_weak else None)
+        if buf is not None and e.grouped and buf[ref.part.index] is None:  # let go (a new pass): read again
+            if buf is e.loaded:
+                self._cache.unread_loaded(e)
+            buf = None
         if buf is not None:
             self._counters.add(e.scope.stats_id, "prefetch_hits", 1)
             return None, buf
@@ -146,11 +150,17 @@ class Reader:
     def finished(self, e: Entry, ref: Ref, buf: torch.Tensor) -> tuple[torch.Tensor, Any, Any]:
         """Under the lock: ``e``'s read into ``buf`` has landed; the saved tensor, ``e``'s extent,
         and the host tier's copy back (or None) that :meth:`order_after` orders the consumer after."""
-        if ref.gen != e.gen:
+        first = ref.gen != e.gen
+        if first:
             ref.gen = e.gen
             e.unpacked_refs += 1
         if e.grouped:  # its part's buffer (Note [saves handed over together share an entry])
-            buf = buf[ref.part.index]
+            p, bufs = ref.part, buf
+            buf = bufs[p.index]
+            if first:
+                p.unpacked += 1
+                if p.unpacked >= p.refs:  # Note [a group's buffers go part by part]
+                    bufs[p.index] = None
         # Note [a whole save is read into its own shape]: the buffer is the save
         out = buf if ref.whole and buf.dtype is ref.dtype and buf.shape == ref.size else rebuild(buf, ref)
         ext = ref.part.extent
