@@ -50,7 +50,7 @@ class Entry:
         "data", "guard", "guard_weak", "extent", "checksum", "write_future", "read_future", "read_buf",
         "loaded", "loaded_weak", "gen", "unpacked_refs", "consumed_pass", "refs", "error",
         "tainted", "fence", "forwarded", "offloaded", "counted_ahead", "ref_weaks",
-        "scope_dropped", "packed_at", "op", "stream", "pos", "__weakref__",
+        "scope_dropped", "packed_at", "op", "stream", "pos", "dying", "__weakref__",
     )
 
     def __init__(self, id_: int, t: torch.Tensor, lo: int, hi: int, scope: Any, layer: int | None,
@@ -99,6 +99,7 @@ class Entry:
         self.op = None  # the op that saved it (Note [a save is copied only after its op returned]); None: none to wait for
         self.stream = None  # the stream current at its pack (a CUDA save's), fenced once its op returned
         self.pos = -1  # its place in its scope's pack order (Scope.add)
+        self.dying = 0  # its Refs in the graveyard, a hint (Note [deaths that hold no memory wait])
 
     def covers(self, lo: int, hi: int) -> bool:
         return self.lo <= lo and hi <= self.lo + self.nbytes

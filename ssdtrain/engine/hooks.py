@@ -19,9 +19,10 @@ import torch
 from ssdtrain.device import cuda as device
 from ssdtrain.device import measure
 from ssdtrain.engine import keep
-from ssdtrain.engine.cache import Entry, Ref, Small, State, rebuild_on
+from ssdtrain.engine.cache import Entry, Small, State, rebuild_on
 from ssdtrain.engine.group import GROUP_BYTES, Group, Part
 from ssdtrain.engine.parts import Parts
+from ssdtrain.engine.ref import GRAVEYARD_BATCH, Ref
 from ssdtrain.host.host_pool import GroupExtent
 from ssdtrain.engine.views import SPAN_ALIGN, byte_span
 from ssdtrain.engine.peak import EARLY, IN_TIME, LATE, possible_bytes
@@ -268,9 +269,7 @@ class SaveHooks:
         open group, or a new one (Note [saves handed over together share an entry]); its part. None:
         it is an entry of its own (Note [the last save waits]: under a quarter of the open group's
         last save, which does not go for it)."""
-        g = scope.group
-        stream = device.producer_stream(t)
-        n = hi - lo
+        g, stream, n = scope.group, device.producer_stream(t), hi - lo
         if g is not None and (len(g.parts) >= self._group_saves or g.nbytes + n > GROUP_BYTES or g.stream is not stream
                               or g.device != t.device):
             if 4 * n < g.parts[-1].nbytes:
@@ -329,12 +328,13 @@ class SaveHooks:
         with self._lock:
             self._cache.small.settle()
             self._cache.free_late()
+            self._graveyard.urgent = False  # first: a death from here on sets it again
             while self._graveyard:
-                # Given back before it leaves the graveyard: an interrupt in between leaves it
-                # there, and giving it back again does nothing (Note [an interrupt never
-                # unbalances a count]).
+                # Given back before it leaves the graveyard: an interrupt in between leaves it there, and
+                # giving it back again does nothing (Note [an interrupt never unbalances a count]).
                 e, gen, weak = self._graveyard[0]
                 self._drop_ref(e, gen, weak)
+                e.dying -= 1
                 self._graveyard.popleft()
             for e, weak in self._cache.lost_refs() if reconcile else ():  # Note [a lost __del__ is found again]
                 self._drop_ref(e, -1, weak)
@@ -395,9 +395,9 @@ class SaveHooks:
             if kind is Parts:
                 return ref.rebuild(self._unpack)
             return ref  # a tensor kept as it is (keep.alias)
-        cache = self._cache
-        if (self._graveyard or self._writer.completed or cache.late or cache.small.dead or cache.lagging
-                or self._failures.pending):
+        cache, dead = self._cache, self._graveyard  # Note [deaths that hold no memory wait] in ``ref.py``
+        if ((dead.urgent or len(dead) >= GRAVEYARD_BATCH) or self._writer.completed or cache.late or cache.small.dead
+                or cache.lagging or self._failures.pending):
             self._safe_point(raise_errors=False)  # its conditions, asked here without its call
         if self._tier is not None:
             self._see_peak()

@@ -14,7 +14,6 @@ import os
 import threading
 import warnings
 import weakref
-from collections import deque
 from collections.abc import Iterator, Mapping
 from functools import partial
 from typing import Any
@@ -27,6 +26,7 @@ from ssdtrain.device import cuda as device
 from ssdtrain.engine import hooks, keep, sac_probe
 from ssdtrain.engine.cache import Cache, Entry
 from ssdtrain.engine.group import GROUP_SAVES
+from ssdtrain.engine.ref import Graveyard
 from ssdtrain.config import OffloadConfig
 from ssdtrain.store.endurance import EnduranceMonitor
 from ssdtrain.engine.peak import DriveMeter, PeakClock
@@ -132,7 +132,7 @@ class Offloader(hooks.SaveHooks):
                                   clock=_clock, gate=self._peak.may_start,
                                   due=self._tier.clock.schedule if self._tier is not None else None,
                                   wall=device.host_clock())
-        self._graveyard: deque = deque()
+        self._graveyard = Graveyard()
         self._window = ReadWindow(max(2 * config.chunk_bytes, 16 << 20), config.prefetch_bytes, hooks._now())
         self._reader = Reader(self._backend, self._cache, self._lock, self._window, self._budget,
                               max_layers=config.prefetch_layers, clock=_clock)

@@ -3,11 +3,38 @@
 from __future__ import annotations
 
 import weakref
+from collections import deque
 from typing import Any
 
 import torch
 
-__all__ = ["Ref", "OWED", "FILED", "COUNTED"]
+__all__ = ["Ref", "Graveyard", "GRAVEYARD_BATCH", "OWED", "FILED", "COUNTED"]
+
+GRAVEYARD_BATCH = 32
+"""Deaths that hold no memory settled together at an unpack (Note [deaths that hold no memory wait]);
+1 settles each at the next unpack."""
+
+
+# Note [deaths that hold no memory wait]
+# In backward, autograd drops each node's saved references once the node ran, so nearly every
+# unpack found a death in the graveyard and drained: the engine's lock, the settling calls and the
+# count given back, once a save (101 drains in a step of 202 unpacks on pack_cost's GPT,
+# 2026-11-29; 10-30 us each). Settling a death frees memory only where it is its entry's last save
+# and the entry still holds the bytes (in memory, or read back and held strongly); a dying Ref says
+# so as it files itself (``Graveyard.urgent``; ``Entry.dying`` counts the entry's Refs filed and not
+# settled, a hint: a race between two threads' deaths only settles early or a batch later), and
+# unpack drains at once then. The others give back only counts and host or drive extents: unpack
+# settles them ``GRAVEYARD_BATCH`` at a time; any other safe point (pack, ``wait()``, the next
+# forward, a kept save's unpack that moves the reads on) settles them as before.
+class Graveyard(deque):
+    """Dying Refs' records ``(entry, gen, weak)``, settled at safe points; ``urgent``: one of them
+    held memory when it died (Note [deaths that hold no memory wait])."""
+
+    __slots__ = ("urgent",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.urgent = False
 
 
 # Note [a lost __del__ is found again]: where a Ref's count stands, on its weak reference.
@@ -72,5 +99,9 @@ class Ref:
         try:
             self.weak.filed = FILED  # no call between this and the append: no interrupt either
             self.graveyard.append((self.entry, self.gen, self.weak))
+            e = self.entry
+            e.dying += 1  # Note [deaths that hold no memory wait]: its last save, and it holds memory
+            if e.dying >= e.refs and (e.data is not None or e.loaded is not None):
+                self.graveyard.urgent = True
         except Exception:  # pragma: no cover - interpreter shutdown
             pass
