@@ -172,7 +172,7 @@ class Reader:
         """Lock NOT held: the consumer's stream waits for ``ext``'s copy back ``back`` (if any)."""
         if back is not None:
             self._ordered(back, device.current_stream(back.device))
-            ext.ordered = True  # Note [a pool extent outlives its copy back]
+            ext.ordered = back  # this copy back (Note [a pool extent outlives its copy back]): not a later one
 
     def wait(self, e: Entry, fut: Any) -> None:
         """Waits for ``e``'s read; a wait feeds the window and the write budget.

@@ -90,7 +90,7 @@ class HostExtent:
         self.landed: Any = None
         self.due = float("inf")
         self.back: Any = None  # the Fence after its last copy back to the device
-        self.ordered = False  # a consumer's stream was made to wait for ``back`` (Note [a pool extent outlives its copy back])
+        self.ordered: Any = None  # the copy back a consumer's stream was made to wait for (Note [a pool extent outlives its copy back])
 
 
 class GroupExtent:

@@ -165,11 +165,14 @@ class TieredBackend(Backend):
     # freed at once, and the next step's copy in could overwrite one while its copy back still read
     # it, a race by CUDA's rules (found by the modelled GPU's soak, benchmarks/model_soak.py,
     # 2026-11-28: about 3% of its seeds; the bytes went into buffers no one used again). Such an
-    # extent now waits for its copy back before it is freed: a host wait, on that path only.
+    # extent now waits for its copy back before it is freed: a host wait, on that path only. An
+    # extent read back twice (read ahead, given back, read again; a group read again) was marked
+    # ordered by its first copy back's wait, and its second went unwaited (the soak, 2026-11-29: 2 of
+    # 1000 seeds once deaths were settled later): ``ordered`` holds the copy back that was waited for.
     def free(self, extent: Any) -> None:
         if type(extent) is HostExtent:
             back = extent.back
-            if back is not None and not extent.ordered:
+            if back is not None and extent.ordered is not back:  # not waited for: a second read's, too
                 back()
             self.pool.free(extent)
         elif type(extent) is GroupExtent:  # Note [saves handed over together share an entry]
