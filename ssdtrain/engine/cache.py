@@ -218,11 +218,6 @@ class Cache:
         self.counters.add(stats_id, "unique_bytes", p.nbytes)
         self.counters.resident(p.nbytes)
 
-    def queue_group(self, g: Entry) -> None:
-        """KEPT -> QUEUED: a group's copies (its host extents were reserved as its parts joined)."""
-        g.state = State.QUEUED
-        g.offloaded = True
-
     def queue(self, e: Entry, extent: Any) -> None:
         """KEPT -> QUEUED: ``extent`` reserved for its write."""
         e.extent = extent

@@ -8,10 +8,10 @@ point, read back and unloaded, one by one. On the CPU that was 112-127 us of all
 above the copies' own cost and 44-55 us of pack (issue 64, 2026-11-29), spread over some forty
 functions a save; a prototype that gave a batch one entry (``benchmarks/investigations/
 batch_entry.py``) spent a few. So the tier's saves of one scope now join its open :class:`Group`,
-one entry for up to ``GROUP_SAVES`` storages (or ``GROUP_BYTES``, or ``GROUP_SECONDS`` old): the
-group is queued, copied (one request, each part into its own host extent), released, read back (one
-request, each part into its own buffer) and freed as one entry, with one state, one place in the
-read-ahead order, one count of live saves. What every save still pays is what it must: the
+one entry for up to ``GROUP_SAVES`` storages (or ``GROUP_BYTES``): the group is queued, copied
+(one request, each part into its own host extent), released, read back (one request, each part
+into its own buffer) and freed as one entry, with one state, one place in the read-ahead order, one
+count of live saves. What every save still pays is what it must: the
 decision of the copy budget, its host extent (so that a save the pool has no room for spills to the
 drives as before, on an entry of its own), its storage's record (:class:`Part`: the dedup index
 finds it, its version is checked, its view is rebuilt on its storage or its buffer) and its
@@ -67,6 +67,13 @@ class Part:
     __slots__ = ("entry", "index", "key", "storage_ref", "version", "data", "lo", "nbytes", "guard", "guard_weak",
                  "extent", "tainted", "whole", "refs", "unpacked")
 
+    def __init__(self, entry: Any, index: int, key: int, storage_ref: StorageRef, version: int,
+                 storage: torch.UntypedStorage, lo: int, hi: int, guard: torch.Tensor, guard_weak: Any,
+                 extent: Any) -> None:
+        self.entry, self.index, self.key, self.storage_ref, self.version = entry, index, key, storage_ref, version
+        self.data, self.lo, self.nbytes, self.guard, self.guard_weak = storage, lo, hi - lo, guard, guard_weak
+        self.extent, self.tainted, self.whole, self.refs, self.unpacked = extent, None, None, 0, 0
+
     @property
     def state(self) -> Any:
         return self.entry.state
@@ -102,13 +109,9 @@ class Group(Entry):
     def __init__(self, id_: int, t: torch.Tensor, lo: int, hi: int, scope: Any, layer: int | None,
                  storage: torch.UntypedStorage, extent: Any, group_extent: Any) -> None:
         super().__init__(id_, t, lo, hi, scope, layer, storage)
-        first = Part()
-        first.entry, first.index, first.key, first.storage_ref, first.version = self, 0, self.key, self.storage_ref, \
-            self.version
-        first.data, first.lo, first.nbytes, first.guard, first.guard_weak = storage, lo, hi - lo, self.guard, \
-            self.guard_weak
-        first.extent, first.tainted, first.whole, first.refs, first.unpacked = extent, None, None, 0, 0
-        self.parts = [first]
+        # the first part takes what Entry.__init__ made for this storage
+        self.parts = [Part(self, 0, self.key, self.storage_ref, self.version, storage, lo, hi, self.guard,
+                           self.guard_weak, extent)]
         self.data = self.parts
         self.key = self.storage_ref = self.version = self.guard = self.guard_weak = None
         self.lo = 0
@@ -117,13 +120,10 @@ class Group(Entry):
 
     def add(self, t: torch.Tensor, lo: int, hi: int, storage: torch.UntypedStorage, extent: Any) -> Part:
         """A new storage region of ``t``'s joins (its bytes ``[lo, hi)``, its host extent)."""
-        p = Part()
-        p.entry, p.index, p.key = self, len(self.parts), storage._cdata
-        p.storage_ref = weak = StorageRef()
+        weak = StorageRef()
         weak.cdata = storage._weak_ref()
-        p.version, p.data, p.lo, p.nbytes = t._version, storage, lo, hi - lo
-        p.guard, p.guard_weak = t.detach(), weakref.ref(t)
-        p.extent, p.tainted, p.whole, p.refs, p.unpacked = extent, None, None, 0, 0
+        p = Part(self, len(self.parts), storage._cdata, weak, t._version, storage, lo, hi, t.detach(), weakref.ref(t),
+                 extent)
         self.parts.append(p)
         self.extent.parts.append(extent)
         self.nbytes += p.nbytes

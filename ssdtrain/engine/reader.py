@@ -71,13 +71,13 @@ class Reader:
     def _issue_all(self, entries: list[Entry]) -> None:
         """Starts reading ``entries`` back into fresh buffers, the tier's together."""
         bufs = [self._buffer(e) for e in entries]
+        lasts = [buf[-1] if type(buf) is Bufs else buf for buf in bufs]  # a group's: one a part
         fences: dict = {}
-        for buf in bufs:
-            last = buf[-1] if type(buf) is Bufs else buf  # a group's: one a part
+        for last in lasts:
             if last.device not in fences:
                 fences[last.device] = device.consumer_fence(last)
-        requests, firsts = group_requests([(e, buf, e.checksum, fences[(buf[0] if type(buf) is Bufs else buf).device])
-                                           for e, buf in zip(entries, bufs)])
+        requests, firsts = group_requests([(e, buf, e.checksum, fences[last.device])
+                                           for e, buf, last in zip(entries, bufs, lasts)])
         futures = self._many(requests)
         for e, buf, fut in zip(entries, bufs, [futures[i] for i in firsts]):
             self._cache.reading(e, buf, fut)
@@ -110,7 +110,7 @@ class Reader:
             fut = self._backend.submit_read(e.extent, buf, checksum=e.checksum, ready=device.consumer_fence(buf))
         self._cache.reading(e, buf, fut)
 
-    def claim(self, e: Entry, ref: Ref | None = None) -> tuple[Any, torch.Tensor]:
+    def claim(self, e: Entry, ref: Ref) -> tuple[Any, torch.Tensor]:
         """Backward needs ``e`` (on storage) now, for ``ref``: ``(None, buffer)`` when it was read
         ahead, else ``(future, buffer)`` of its read, issued here if the window had not reached it."""
         buf = e.loaded if e.loaded is not None else (e.loaded_weak() if e.loaded_weak else None)

@@ -159,7 +159,7 @@ class WriteQueue:
         g, scope.group = scope.group, None
         if g is None or g.state is not State.KEPT:  # none, or freed meanwhile
             return
-        self._cache.queue_group(g)
+        self._cache.queue(g, g.extent)  # its parts' host extents, reserved as they joined
         self.inflight_bytes += g.nbytes
         g.packed_at = self.wall()
         self._op_began(scope, op)  # None: between ops, every op returned
