@@ -439,3 +439,23 @@ def test_aligned_buffer_is_page_aligned():
         assert addr % mmap.PAGESIZE == 0
     finally:
         buf.close()
+
+
+def test_shrink_gives_back_the_tail_and_keeps_the_head():
+    """Note [a group's parts are carved from one region]: a region's unused tail goes back to the
+    allocator; the head stays allocated at its aligned length, and misuse raises."""
+    a = ExtentAllocator(4096)
+    off, length = a.allocate(16384)
+    assert a.shrink(off, 5000, trimmed=True) == [(off + 8192, 8192)]
+    assert a.used_bytes == 8192 and a.consistent()
+    assert a.allocate(8192) == (off + 8192, 8192)  # the tail is reused
+    assert a.shrink(off, 8192) == []  # already that long: nothing to give back
+    for bad in (0, 8193):
+        with pytest.raises(ValueError, match="cannot shrink"):
+            a.shrink(off, bad)
+    with pytest.raises(ValueError, match="cannot shrink"):
+        a.shrink(off + 4096, 10)  # not an extent's start
+    with pytest.raises(ValueError):
+        a.free(off, length)  # its old length is not its length any more
+    a.free(off, 8192)
+    assert a.consistent() and a.used_bytes == 8192

@@ -185,3 +185,71 @@ def test_a_group_whose_saves_all_died_holds_no_storage(off_dir, tier_on_cpu):
         assert all(w.expired() for w in alive)
     finally:
         off.close()
+
+
+def test_a_groups_parts_are_carved_from_one_region_and_its_tail_goes_back(off_dir, tier_on_cpu):
+    """Note [a group's parts are carved from one region]: a group's first save keeps its own extent
+    and reserves the rest of GROUP_BYTES; the saves that join take its next aligned bytes (no extent
+    of their own); at hand-over the region keeps only what they use, and freeing the group gives
+    back all of it."""
+    from ssdtrain.host.host_pool import ALIGN
+    off = _off(off_dir)
+    saves = [torch.randn(1000) * 1.0 for _ in range(4)]  # 4000 B each: a 4 KiB slot
+    want = [t.clone() for t in saves]
+    try:
+        with off:
+            refs = _pack_all(off, saves)
+            g = refs[0].entry
+            gx = g.extent
+            assert all(r.entry is g for r in refs) and gx.region is not None
+            pool = off._tier.pool
+            first, region = gx.parts[0], gx.region
+            assert first.reserved == ALIGN and region.reserved == -(-(GROUP_BYTES - 4000) // ALIGN) * ALIGN
+            assert [p.reserved for p in gx.parts[1:]] == [0, 0, 0]
+            assert [p.offset - region.offset for p in gx.parts[1:]] == [0, ALIGN, 2 * ALIGN]
+            assert pool.used == first.reserved + region.reserved
+            off._writer.release_held(list(off._scopes.by_id.values()), None)  # handed over: the tail goes back
+            assert region.reserved == 3 * ALIGN and pool.used == 4 * ALIGN
+        off.wait()
+        outs = [off._unpack(r) for r in reversed(refs)][::-1]
+        assert all(torch.equal(o, w) for o, w in zip(outs, want))
+        del refs, outs
+        off.wait()
+        assert off._tier.pool.used == 0 and gx.region is None
+        assert all(alloc.consistent() for _, alloc in off._tier.pool._slabs)
+    finally:
+        off.close()
+
+
+@pytest.mark.parametrize("host_bytes", ["64MiB", "1MiB"])
+def test_carved_parts_are_exact_and_a_small_pool_gives_each_part_its_own_extent(off_dir, tier_on_cpu, host_bytes):
+    """The GPT through the tier with parts carved from regions and with an extent a part gives the
+    gradients of no offloading, and leaves the pool empty; a pool with no room for a region (1 MiB:
+    a region is up to 4 MiB) gives each part its own extent and is not grown for the refusal."""
+    model, loss_fn = _gpt()
+    base = step(model, loss_fn, None)
+    for carve in (True, False):
+        off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, host_bytes=host_bytes)
+        off._carve = carve
+        regions = []
+        real = off._join_group
+
+        def spy(*a, **k):
+            part = real(*a, **k)
+            if part is not None:
+                regions.append(part.entry.extent.region is not None)
+            return part
+        off._join_group = spy
+        try:
+            for _ in range(3):
+                assert_same(base, step(model, loss_fn, off))
+            off.wait()
+            pool = off._tier.pool
+            assert off.stats().host_copied_bytes > 0 and pool.used == 0
+            assert any(regions) == (carve and host_bytes == "64MiB")
+            if host_bytes == "1MiB":  # a region refused asks for no growth
+                wanted, refused = pool.wanted, pool._refused
+                assert pool.allocate(GROUP_BYTES, wanted=False) is None
+                assert (pool.wanted, pool._refused) == (wanted, refused)
+        finally:
+            off.close()

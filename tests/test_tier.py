@@ -514,7 +514,9 @@ def test_an_offloader_whose_copies_are_cheap_never_keeps_a_forward_on_the_device
         clock.rate = 1e9
         for _ in range(3):
             copied.append(_copied(steps()))
-        assert min(copied) >= 0.99 * copied[0] > 0, copied  # (a last save of 4 bytes due after forward's end)
+        # Each forward copies about what the first did, none nothing: a batch not yet handed over
+        # when backward begins is kept (adaptive keep), on a loaded machine a group's 256 KiB (4%)
+        assert min(copied) >= 0.9 * copied[0] > 0, copied
         assert clock.reference == 10.0 and clock.deferred == 0 and clock.limit == int(COPY_SHARE * 1e9 * 10)
         assert off.stats().host_copy_limit_bytes == clock.limit
         assert_same(base, step(model, loss_fn, off))

@@ -43,11 +43,13 @@ from typing import Any
 
 import torch
 
+from ssdtrain.device.cuda import producer_stream
 from ssdtrain.engine.cache import Entry, Span
 from ssdtrain.engine.small import StorageRef
+from ssdtrain.host.host_pool import ALIGN, HostExtent
 from ssdtrain.host.tier import FENCE_BYTES
 
-__all__ = ["Group", "Part", "GROUP_SAVES", "GROUP_BYTES", "Bufs", "requests"]
+__all__ = ["Group", "Part", "GROUP_SAVES", "GROUP_BYTES", "Bufs", "join", "requests"]
 
 GROUP_SAVES = 8
 """Storages a group holds at most (the write queue's ``HAND_OVER_SAVES``): a group is a batch."""
@@ -142,6 +144,59 @@ class Group(Entry):
     def span(self) -> list:
         """Its parts' bytes, one :class:`~ssdtrain.engine.views.Span` a part, for the copies in."""
         return [Span(p.data, p.lo, p.nbytes, self.device) for p in self.parts]
+
+
+# Note [a group's parts are carved from one region]
+# A save that joins an open group paid for the general path's every question and for a host extent
+# of its own (the pool's lock, its best fit, a record): some thirty of the fifty-odd calls a tier
+# save made (issue 64: at most 15). A group whose first save leaves room for more reserves the rest
+# of its bytes (``GROUP_BYTES`` less its first part) in the pool as one region, asking for no
+# growth if refused; a save that joins it takes the next aligned bytes of the region and is
+# decided by :func:`join` in one function: the questions whose answers the group's first save
+# settled for the whole group (the forward's device, the tier's fork watch) are not asked again,
+# the others (the copy budget, the write queue's room, the policy's bounds, the group's own:
+# count, bytes, stream, device) are asked inline. Any answer other than "joins" leaves everything
+# as it was and the general path decides, as before; a refusal by the copy budget, which counts the
+# save as it asks, says so (False), and the general path does not count it again. The region's
+# unused tail goes back to the pool when the group is handed over (``WriteQueue.hand_over_group``),
+# the whole region when the group is freed. A group of saves over half of ``GROUP_BYTES`` (a GPU's
+# at the bench's shape) reserves none: it has one part.
+def join(off: Any, g: Group, t: torch.Tensor, storage: torch.UntypedStorage, lo: int, hi: int, op: Any,
+         nbytes: int) -> Part | bool | None:
+    """Under the engine's lock: ``t``'s new storage region ``[lo, hi)`` joins ``g``, its scope's
+    open group, in ``g``'s region (Note [a group's parts are carved from one region]); its part.
+    None: it does not, nothing changed; False: the copy budget refused it, its bytes counted."""
+    gx = g.extent
+    region = gx.region
+    n = hi - lo
+    at = gx.used
+    end = at + -(-n // ALIGN) * ALIGN
+    tier = off._tier
+    clock = tier.clock
+    writer = off._writer
+    policy = off._policy
+    keep = policy.when_full == "keep"
+    if (region is None or end > region.reserved or len(g.parts) >= off._group_saves or g.nbytes + n > GROUP_BYTES
+            or (keep and clock.closed) or n < policy.min_bytes or tier._forked or g.device != t.device
+            or (writer.inflight_bytes and writer.inflight_bytes + n > writer._max_inflight)):
+        return None
+    if policy.keep_from_layer is not None:
+        layer = off._layer_stack[-1] if off._layer_stack else None
+        if layer is not None and layer >= policy.keep_from_layer:
+            return None
+    if producer_stream(t) is not g.stream:
+        return None
+    clock.produced(n)
+    if keep and not clock.allows(n):
+        return False
+    off._counters.add(g.scope.stats_id, "saved_bytes", nbytes)
+    gx.used = end
+    p = g.add(t, lo, hi, storage, HostExtent(region.slab, region.offset + at, 0, n))
+    off._cache.add_part(p, g.scope.stats_id)
+    base = t._base
+    if (t if base is None else base).grad_fn is None:  # Note [bytes an earlier op made may go at once]
+        g.op = op
+    return p
 
 
 def requests(items: list[tuple]) -> tuple[list[tuple], list[int]]:

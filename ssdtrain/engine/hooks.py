@@ -20,7 +20,7 @@ from ssdtrain.device import cuda as device
 from ssdtrain.device import measure
 from ssdtrain.engine import keep
 from ssdtrain.engine.cache import Entry, Small, State, rebuild_on
-from ssdtrain.engine.group import GROUP_BYTES, Group, Part
+from ssdtrain.engine.group import GROUP_BYTES, Group, Part, join
 from ssdtrain.engine.parts import Parts
 from ssdtrain.engine.ref import GRAVEYARD_BATCH, Ref
 from ssdtrain.host.host_pool import GroupExtent
@@ -121,7 +121,7 @@ class SaveHooks:
             with self._lock:
                 if self._peak.active:
                     self._peak.produced(nbytes, _now())
-                if tier:  # Note [the copy clock counts every save]
+                if tier:  # Note [the copy clock counts every save] (``host/copy_clock.py``)
                     self._tier.clock.produced(0 if key in small.rows else nbytes)
                 return small.add(t, storage, scope.stats_id, None, storage_bytes)
         cache = self._cache
@@ -148,12 +148,18 @@ class SaveHooks:
             if self._peak.active:
                 self._peak.produced(nbytes, _now())
             entry = self._cache.index.find(t, view_lo, view_hi) if key in self._cache.index.keys else None
-            part = None
+            part = joined = None
             if type(entry) is Part:  # a group's (Note [saves handed over together share an entry])
                 part, entry = entry, entry.entry
                 part.whole = None  # saved again: its read is bytes
-            if entry is None:  # Note [a save the budget keeps skips the cache]
-                why = self._kept_at_once(t, hi - lo)
+            elif entry is None and tier and scope.group is not None:  # Note [a group's parts are carved from one region]
+                joined = join(self, scope.group, t, storage, lo, hi, op, nbytes)
+            if joined:
+                out = Ref(joined.entry, t, self._graveyard, view_lo, whole, joined)
+                if out.whole:
+                    joined.whole = (out.size, out.dtype)  # Note [a whole save is read into its own shape]
+            elif entry is None:  # Note [a save the budget keeps skips the cache]
+                why = None if joined is False else self._kept_at_once(t, hi - lo)
                 if why is not None:
                     if tier and key not in small.rows:
                         self._tier.clock.produced(hi - lo)  # Note [the copy clock counts every save]
@@ -171,7 +177,7 @@ class SaveHooks:
                     if fresh:
                         self._check_open()  # the fork check: an entry's bytes go to the backend
                         layer = self._layer_stack[-1] if self._layer_stack else None
-                        entry = self._new_entry(t, lo, hi, scope, layer, op, storage)
+                        entry = self._new_entry(t, lo, hi, scope, layer, op, storage, joined is False)
                         if type(entry) is Part:
                             part, entry = entry, entry.entry
                     out = Ref(entry, t, self._graveyard, view_lo, whole, part)
@@ -195,7 +201,7 @@ class SaveHooks:
         return Parts(t, ctx, packed, others, keep.version_guard(t, packed))
 
     def _new_entry(self, t: torch.Tensor, lo: int, hi: int, scope: Scope, layer: int | None, op: Any,
-                   storage: Any = None) -> Entry | Part:
+                   storage: Any = None, counted: bool = False) -> Entry | Part:
         """Under the lock: a new entry, kept or queued for writing (Note [write only what comes
         back in time] for the budget, Note [write what leaves before the peak] for the time); or,
         for a host tier copy, a new part of the scope's open group (Note [saves handed over together
@@ -203,7 +209,7 @@ class SaveHooks:
         n = hi - lo
         cuda = device.is_cuda(t)  # the modelled GPU's tensors too (Note [an offloader made under the modelled GPU])
         tier = self._tier is not None and (cuda or self._tier_cpu)
-        if tier:
+        if tier and not counted:  # counted: by group.join, which the copy budget refused
             self._tier.clock.produced(n)
             if self._fwd_dev is None and cuda:
                 self._fwd_dev = t.device  # forwards are timed on it from the next one on
@@ -280,6 +286,8 @@ class SaveHooks:
         waits = (t if base is None else base).grad_fn is None  # Note [bytes an earlier op made may go at once]
         if g is None:
             g = scope.group = Group(next(self._ids), t, lo, hi, scope, layer, storage, extent, GroupExtent())
+            if self._carve and 2 * n <= GROUP_BYTES:  # room for more: Note [a group's parts are carved from one region]
+                g.extent.region = self._tier.pool.allocate(GROUP_BYTES - n, wanted=False)
             self._cache.add_group(g)
             scope.live_entries += 1
             scope.add(g)
@@ -349,16 +357,6 @@ class SaveHooks:
     # the training thread's cost; on a GPU most of a forward's saves are such (the drive took 1%
     # of them on an H100, 2026-11-24; the copy engine about 15%), and the host has about 15 us per
     # save of slack there. A storage that already has an entry keeps using it.
-    # Note [the copy clock counts every save]
-    # The copy clock's positions are the bytes a forward produced, and the forward measured for
-    # its reference copies nothing: its budget closes at the first save, and every later save is
-    # kept at once, with no entry. Those saves are counted too; counting entries alone gave that
-    # forward a total of one save, and every copy after was refused as due after forward's end
-    # (the H200, 2026-11-27: the tier copied nothing, offload lowered no peak). Small saves and
-    # saves of a storage saved before are counted as well (the latter with no bytes): the clock
-    # places a forward on its reference by its count of saves (Note [a copy clock for forwards of
-    # any length]), and a storage small at one length (the rotary tables at 1k tokens) is an
-    # entry at another.
     def _kept_at_once(self, t: torch.Tensor, nbytes: int) -> str | None:
         """Under the lock: whether a new save of ``t`` (``nbytes``) will be kept whatever its entry
         would say, and why (the counter its bytes add to): its forward closed its budget, or its

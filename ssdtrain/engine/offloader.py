@@ -112,6 +112,7 @@ class Offloader(hooks.SaveHooks):
         self._small_bytes = config.min_bytes  # smaller storages: Note [a small save skips the cache]
         # Note [saves handed over together share an entry] (1: an entry a save)
         self._group_saves = GROUP_SAVES
+        self._carve = True  # False: a part an extent of its own (Note [a group's parts are carved from one region])
         self._endurance = None
         if self.backend in ("posix", "kvikio"):
             self._endurance = EnduranceMonitor(list(config.paths), config.rated_tbw, config.endurance_horizon_days)

@@ -159,6 +159,8 @@ class WriteQueue:
         g, scope.group = scope.group, None
         if g is None or g.state is not State.KEPT:  # none, or freed meanwhile
             return
+        if g.extent.region is not None:  # Note [a group's parts are carved from one region]
+            self._backend.fit_region(g.extent)
         self._cache.queue(g, g.extent)  # its parts' host extents, reserved as they joined
         self.inflight_bytes += g.nbytes
         g.packed_at = self.wall()

@@ -119,7 +119,7 @@ own reference (Note [a forward whose copies are cheap is its own reference])."""
 # after four of 1k copied 3% of what the copy engine could take before its peak, an 8k step 9%,
 # and a 1k or 2k step after long ones 42-48%; placed by saves, 94% each. The host's pace is
 # length-free (Note [the host paces the copies]). Every save is counted, small ones and saves of
-# a storage saved before too (Note [the copy clock counts every save] in ``engine/hooks.py``).
+# a storage saved before too (Note [the copy clock counts every save], below).
 
 
 class CopyClock:
@@ -170,6 +170,16 @@ class CopyClock:
                 self.limit = None
                 self.deferred += 1
 
+    # Note [the copy clock counts every save]
+    # The copy clock's positions are the bytes a forward produced, and the forward measured for
+    # its reference copies nothing: its budget closes at the first save, and every later save is
+    # kept at once, with no entry. Those saves are counted too; counting entries alone gave that
+    # forward a total of one save, and every copy after was refused as due after forward's end
+    # (the H200, 2026-11-27: the tier copied nothing, offload lowered no peak). Small saves and
+    # saves of a storage saved before are counted as well (the latter with no bytes): the clock
+    # places a forward on its reference by its count of saves (Note [a copy clock for forwards of
+    # any length]), and a storage small at one length (the rotary tables at 1k tokens) is an
+    # entry at another.
     def produced(self, nbytes: int) -> None:
         """A save of ``nbytes`` new bytes was made (offloaded or not, small or not; 0 for a save
         of a storage saved before): every save is counted (Note [a copy clock for forwards of any

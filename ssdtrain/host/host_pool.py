@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 SLAB = 512 << 20
 """Bytes pinned at once (about 0.35 s on an H100's host); a larger save gets a slab of its size."""
+ALIGN = 4096
+"""Every extent's offset and reserved length are multiples of this."""
 AUTO_SHARE = 0.25
 """Of the RAM available, what the tier takes by default (then divided among the local ranks)."""
 GROW_AT = 0.85
@@ -96,13 +98,17 @@ class HostExtent:
 class GroupExtent:
     """The host extents of a group entry's parts, in order (Note [saves handed over together share
     an entry] in ``engine/group.py``), answering for them as one: no drive space; due and landed as
-    its last copy is (copies of a batch land in order); freed part by part (``TieredBackend.free``)."""
+    its last copy is (copies of a batch land in order); freed part by part (``TieredBackend.free``).
+    ``region``: where the parts after its first are carved (Note [a group's parts are carved from
+    one region]), ``used`` of it; None: each part has an extent of its own."""
 
-    __slots__ = ("parts",)
+    __slots__ = ("parts", "region", "used")
     length, path_index = 0, -1
 
     def __init__(self) -> None:
         self.parts: list[HostExtent] = []
+        self.region: HostExtent | None = None
+        self.used = 0
 
     @property
     def last(self) -> HostExtent:
@@ -150,7 +156,9 @@ class HostPool:
         self._refused = 0  # bytes refused since the pool was last empty
         self._big = 0  # the largest save refused for want of a slab its size
 
-    def allocate(self, nbytes: int) -> HostExtent | None:
+    def allocate(self, nbytes: int, *, wanted: bool = True) -> HostExtent | None:
+        """An extent for ``nbytes``, or None; ``wanted`` False: a refusal is no demand (the pool
+        does not grow for it: a group's region, Note [a group's parts are carved from one region])."""
         ext = None
         with self._lock:
             for i, (mem, alloc) in enumerate(self._slabs):
@@ -162,7 +170,7 @@ class HostPool:
                     ext = HostExtent(i, off, length, nbytes)
                     break
                 alloc.free(off, length, trimmed=True)
-            if ext is None and nbytes:
+            if ext is None and nbytes and wanted:
                 self._refused += nbytes
                 # at least a slab more than now, as a refusal always asked (a hole too small)
                 self.wanted = max(self.wanted, self.used + self._refused, self.pinned + nbytes)
@@ -199,7 +207,7 @@ class HostPool:
                 log.warning("ssdtrain: %s", self.error)
                 return
             with self._lock:
-                self._slabs.append((mem, ExtentAllocator(4096)))
+                self._slabs.append((mem, ExtentAllocator(ALIGN)))
                 self.pinned += size
                 self._pinning = 0
                 if size >= self._big:
@@ -229,6 +237,15 @@ class HostPool:
             self.used -= ext.reserved
             if not self.used:
                 self._refused = 0
+
+    def shrink(self, ext: HostExtent, nbytes: int) -> None:
+        """Gives back what ``ext`` reserved beyond its first ``nbytes`` (at least 1)."""
+        with self._lock:
+            before = ext.reserved
+            self._slabs[ext.slab][1].shrink(ext.offset, nbytes, trimmed=True)
+            ext.reserved = -(-nbytes // ALIGN) * ALIGN
+            ext.nbytes = nbytes
+            self.used -= before - ext.reserved
 
     def view(self, ext: HostExtent) -> torch.Tensor:
         """The extent's bytes (1-D uint8, ``ext.nbytes`` long)."""

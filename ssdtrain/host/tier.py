@@ -174,12 +174,25 @@ class TieredBackend(Backend):
             back = extent.back
             if back is not None and extent.ordered is not back:  # not waited for: a second read's, too
                 back()
-            self.pool.free(extent)
+            if extent.reserved:  # else carved from a group's region (Note [a group's parts are carved from one region])
+                self.pool.free(extent)
         elif type(extent) is GroupExtent:  # Note [saves handed over together share an entry]
             for ext in extent.parts:
                 self.free(ext)
+            region, extent.region = extent.region, None
+            if region is not None:
+                self.pool.free(region)
         else:
             self.inner.free(extent)
+
+    def fit_region(self, extent: GroupExtent) -> None:
+        """A group closed: its region keeps what its parts use, the rest goes back to the pool
+        (Note [a group's parts are carved from one region] in ``engine/group.py``)."""
+        if extent.used:
+            self.pool.shrink(extent.region, extent.used)
+        else:
+            region, extent.region = extent.region, None
+            self.pool.free(region)
 
     # -- I/O ----------------------------------------------------------------------------------
     def submit_write(self, extent: Any, src: torch.Tensor, *, checksum: bool = False,

@@ -155,6 +155,25 @@ class ExtentAllocator:
                 self.heal()
         return [(offset, have)]
 
+    def shrink(self, offset: int, length: int, *, trimmed: bool = False) -> list[tuple[int, int]]:
+        """Gives back the tail of a live extent beyond its first ``length`` bytes (rounded up to
+        the alignment): the extent is split in two and the second freed as :meth:`free` frees it.
+
+        Raises:
+            ValueError: ``offset`` is not a live extent's, or ``length`` is not within it.
+        """
+        have = self._allocated.get(offset)
+        keep = -(-length // self._align) * self._align if length > 0 else 0
+        if have is None or offset in self._trimming or not 0 < keep <= have:
+            raise ValueError(f"cannot shrink extent (offset={offset}) to {length} bytes: it holds {have}")
+        if keep == have:
+            return []
+        # Note [leaked, never doubly held]: the extent is shortened before its tail becomes one of its
+        # own; cut short between the two, the tail is leaked, not held twice
+        self._allocated[offset] = keep
+        self._allocated[offset + keep] = have - keep
+        return self.free(offset + keep, have - keep, trimmed=trimmed)
+
     def consistent(self) -> bool:
         """Whether the free ranges and counts agree with the live extents (cheap: sums only)."""
         return (len(self._free_starts) == len(self._free_len) and self._free_total == sum(self._free_len.values())
