@@ -158,7 +158,11 @@ class StorageIndex:
         return None
 
     def add(self, entry: Entry) -> None:
-        self._by_key.setdefault(entry.key, []).append(entry)
+        bucket = self._by_key.get(entry.key)
+        if bucket is None:  # the common case, in one call
+            self._by_key[entry.key] = [entry]
+        else:
+            bucket.append(entry)
 
     def remove(self, entry: Any) -> None:
         """Forgets ``entry`` (a group entry: each of its parts)."""

@@ -189,10 +189,10 @@ def join(off: Any, g: Group, t: torch.Tensor, storage: torch.UntypedStorage, lo:
     clock.produced(n)
     if keep and not clock.allows(n):
         return False
-    off._counters.add(g.scope.stats_id, "saved_bytes", nbytes)
     gx.used = end
     p = g.add(t, lo, hi, storage, HostExtent(region.slab, region.offset + at, 0, n))
-    off._cache.add_part(p, g.scope.stats_id)
+    off._cache.index.add(p)  # Cache.add_part's work, its counts in one call
+    off._counters.joined(g.scope.stats_id, nbytes, n)
     base = t._base
     if (t if base is None else base).grad_fn is None:  # Note [bytes an earlier op made may go at once]
         g.op = op

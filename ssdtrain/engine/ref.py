@@ -63,7 +63,6 @@ class Ref:
         self.graveyard = None  # not counted yet: a Ref that dies before the count files nothing
         self.entry = entry
         self.part = part = entry if part is None else part
-        self.dtype = t.dtype
         self.size = t.shape  # a torch.Size: a tuple already
         self.stride = t.stride()
         if byte_offset is None:
@@ -72,7 +71,8 @@ class Ref:
         # Note [lazy bits travel with the save]: a conjugate or negative view (``z.conj()``,
         # ``x.mH``, ``torch._neg_view``) shares its storage's bytes unchanged and carries the
         # operation as a bit; a tensor rebuilt on the bytes alone would lose it.
-        self.conj = t.is_conj()
+        self.dtype = dtype = t.dtype
+        self.conj = dtype.is_complex and t.is_conj()  # only a complex tensor has the bit: no call for others
         self.neg = t.is_neg()
         self.whole = whole and not (self.conj or self.neg) and part.lo == 0 and part.nbytes == t.nbytes
         if part is not entry:  # a group's part counts its saves (Note [a group's buffers go part by part])

@@ -177,6 +177,18 @@ class Counters:
         if self.timeline is not None:
             self.timeline.append((time.perf_counter(), now))
 
+    def joined(self, scope_id: Any, saved: int, unique: int) -> None:
+        """A new storage of ``unique`` bytes joined a group by a save of ``saved`` bytes
+        (``group.join``): the three counts of its path in one call, as :meth:`kept_new` does."""
+        if scope_id is None:
+            total = self.total
+            total.saved_bytes += saved
+            total.unique_bytes += unique
+        else:
+            self.add(scope_id, "saved_bytes", saved)
+            self.add(scope_id, "unique_bytes", unique)
+        self.resident(unique)
+
     def resident(self, delta: int) -> None:
         t = self.total
         # Never below zero: an interrupted state change can leave the count off until wait()
