@@ -157,8 +157,9 @@ class HostPool:
         self._big = 0  # the largest save refused for want of a slab its size
 
     def allocate(self, nbytes: int, *, wanted: bool = True) -> HostExtent | None:
-        """An extent for ``nbytes``, or None; ``wanted`` False: a refusal is no demand (the pool
-        does not grow for it: a group's region, Note [a group's parts are carved from one region])."""
+        """An extent for ``nbytes``, or None; ``wanted`` False: neither a refusal nor the use is a
+        demand (the pool does not grow for it: a group's region, whose unused tail soon goes back,
+        Note [a group's parts are carved from one region])."""
         ext = None
         with self._lock:
             for i, (mem, alloc) in enumerate(self._slabs):
@@ -176,7 +177,7 @@ class HostPool:
                 self.wanted = max(self.wanted, self.used + self._refused, self.pinned + nbytes)
                 if nbytes > self._slab:
                     self._big = max(self._big, nbytes)
-            grow = self._grow_size()
+            grow = self._grow_size() if wanted else 0
         if grow:
             if self._thread is None:
                 self._add_slab(grow)
