@@ -211,8 +211,9 @@ def _peer_hooks(mode: str, device: torch.device):
     return ctx, hooks, note
 
 
-def measure(mode: str, model, tokens, steps: int, path: str) -> dict:
-    """One mode: ``steps`` timed steps after three to warm up, then one profiled step."""
+def measure(mode: str, model, tokens, steps: int, path: str, setup=None) -> dict:
+    """One mode: ``steps`` timed steps after three to warm up, then one profiled step; ``setup``:
+    called with the offloader once it is made (an engine's mode only: a variant of it)."""
     spent = dict.fromkeys(("_pack", "_unpack", "_pack_n", "_unpack_n", "_pack_calls_n", "_unpack_calls_n",
                            "profile"), 0)
     prof = cProfile.Profile()
@@ -248,6 +249,8 @@ def measure(mode: str, model, tokens, steps: int, path: str) -> dict:
             off._kept_at_once = lambda t, nbytes: "budget_kept_bytes"  # the budget closed at once
         if mode == "tier-per-save":  # the tier with an entry a save (Note [saves handed over together share an entry])
             off._group_saves = 1
+        if setup is not None:
+            setup(off)
         _timed(off, spent, prof)
 
         def ctx():
@@ -294,6 +297,35 @@ def measure(mode: str, model, tokens, steps: int, path: str) -> dict:
         out["copied_bytes_per_step"] = (st.written_bytes + st.read_bytes) / (steps + 4)
         off.close()
     return out
+
+
+def alternate(variants: dict, rounds: int = 7, steps: int = 20, mode: str = "tier") -> dict:
+    """Variants of one engine's mode in one process, rounds alternated: ``variants`` maps a name to
+    a setup (called with each new offloader); prints each one's medians and the first's ratios to
+    the others pair by pair (the in-process A/B of a change with a switch). The bench's GPT at 12
+    blocks on the CPU, one intra-op thread, the tier's logic on CPU tensors."""
+    offloader_mod._TIER_DEVICES = ("cuda", "cpu")
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=512, seq=64, layers=12, hidden=64, heads=4))
+    tokens = torch.randint(0, 512, (2, 64))
+    runs: dict = {name: [] for name in variants}
+    with tempfile.TemporaryDirectory() as path:
+        for _ in range(rounds):
+            for name, setup in variants.items():
+                runs[name].append(measure(mode, model, tokens, steps, path, setup))
+    keys = ("pack_us", "pack_calls", "unpack_us", "step_all_threads_ms")
+    for name, rs in runs.items():
+        med = {k: statistics.median(r[k] for r in rs) for k in keys}
+        print(f"{name:20s}: pack {med['pack_us']:.2f} us ({med['pack_calls']:.1f} calls), unpack {med['unpack_us']:.2f} us, "
+              f"step (all threads) {med['step_all_threads_ms']:.2f} ms; pack rounds " + " ".join(f"{r['pack_us']:.1f}" for r in rs))
+    first, *others = runs
+    for other in others:
+        pairs = [a["pack_us"] / b["pack_us"] for a, b in zip(runs[first], runs[other])]
+        steps_ = [a["step_all_threads_ms"] / b["step_all_threads_ms"] for a, b in zip(runs[first], runs[other])]
+        print(f"{first} over {other}, median of pairs: pack x{statistics.median(pairs):.3f}, "
+              f"step all threads x{statistics.median(steps_):.3f}")
+    return runs
 
 
 def memcpy_rate(nbytes: int, count: int = 512) -> float:
