@@ -253,3 +253,25 @@ def test_carved_parts_are_exact_and_a_small_pool_gives_each_part_its_own_extent(
                 assert (pool.wanted, pool._refused) == (wanted, refused)
         finally:
             off.close()
+
+
+def test_a_region_granted_or_refused_makes_the_pool_grow_for_nothing_and_shrinks_to_its_use():
+    """Note [a group's parts are carved from one region], in the pool: a region (``wanted=False``)
+    past GROW_AT of the pinned bytes pins no slab ahead (an ordinary extent there does), a refused
+    one counts as no demand, and shrinking it gives its tail back to the pool's count and its
+    allocator."""
+    from ssdtrain.host.host_pool import ALIGN, HostPool
+    MiB = 1 << 20
+    pool = HostPool(64 * MiB, pin=lambda n: torch.empty(n, dtype=torch.uint8), slab=8 * MiB, background=False)
+    pool.pin_first()
+    assert pool.pinned == 8 * MiB
+    region = pool.allocate(7 * MiB, wanted=False)  # past GROW_AT (0.85) of 8 MiB
+    assert region is not None and pool.pinned == 8 * MiB  # no slab pinned ahead for it
+    assert pool.allocate(4 * MiB, wanted=False) is None and pool.wanted == 0 and pool._refused == 0
+    pool.shrink(region, 3 * ALIGN + 1)
+    assert region.reserved == 4 * ALIGN and pool.used == 4 * ALIGN
+    other = pool.allocate(7 * MiB)  # the tail was given back: there is room for it
+    assert other is not None and pool.pinned == 16 * MiB  # an ordinary extent past GROW_AT pins ahead
+    pool.free(region)
+    pool.free(other)
+    assert pool.used == 0 and all(alloc.consistent() and alloc.used_bytes == 0 for _, alloc in pool._slabs)
