@@ -2,6 +2,7 @@
 host tier's groups of 8 storages (the default), of 32, an entry a save, and no offloading. Virtual
 time: exact and repeatable. ``python modelled_peaks.py [layers]``. ``modelled_peaks.txt`` also has
 the rows of a rule tried and not landed (groups of 32 closing before the forward's last eighth)."""
+import contextlib
 import sys
 
 import torch
@@ -39,10 +40,7 @@ def peaks(setup, steps=5):
             for _ in range(steps):
                 model.zero_grad(set_to_none=True)
                 gpu.reset_peak()
-                if off is not None:
-                    with off:
-                        loss = model(x, y)
-                else:
+                with off if off is not None else contextlib.nullcontext():
                     loss = model(x, y)
                 gpu.synchronize()
                 fwd = gpu.peak()
