@@ -134,6 +134,12 @@ class Group(Entry):
         self.nbytes += p.nbytes
         return p
 
+    def takes(self, n: int, stream: Any, dev: torch.device, most: int) -> bool:
+        """Whether a new storage region of ``n`` bytes, saved on ``stream`` of ``dev``, fits this
+        group of at most ``most`` storages (else the group closes for it)."""
+        return (len(self.parts) < most and self.nbytes + n <= GROUP_BYTES and self.stream is stream
+                and self.device == dev)
+
     def check_version(self) -> None:
         """Each part's (Note [in-place after save]): a part changed taints its saves alone."""
         for p in self.parts:
@@ -157,10 +163,11 @@ class Group(Entry):
 # growth if refused; a save that joins it takes the next aligned bytes of the region and is
 # decided by :func:`join` in one function: the questions whose answers the group's first save
 # settled for the whole group (the forward's device, the tier's fork watch) are not asked again,
-# the others (the copy budget, the write queue's room, the policy's bounds, the group's own:
-# count, bytes, stream, device) are asked inline. Any answer other than "joins" leaves everything
-# as it was and the general path decides, as before; a refusal by the copy budget, which counts the
-# save as it asks, says so (False), and the general path does not count it again. The region's
+# the others (the copy budget, the write queue's room, the policy's bounds, and whether the group
+# takes it: ``Group.takes``, the general path's rule too) are asked here. Any answer other than
+# "joins" leaves everything as it was and the general path decides, as before; a refusal by the copy
+# budget, which counts the save as it asks, says so (False), and the general path does not count it
+# again. The region's
 # unused tail goes back to the pool when the group is handed over (``WriteQueue.hand_over_group``),
 # the whole region when the group is freed. A group of saves over half of ``GROUP_BYTES`` (a GPU's
 # at the bench's shape) reserves none: it has one part.
@@ -179,15 +186,16 @@ def join(off: Any, g: Group, t: torch.Tensor, storage: torch.UntypedStorage, lo:
     writer = off._writer
     policy = off._policy
     keep = policy.when_full == "keep"
-    if (region is None or end > region.reserved or len(g.parts) >= off._group_saves or g.nbytes + n > GROUP_BYTES
-            or (keep and clock.closed) or n < policy.min_bytes or tier._forked or g.device != t.device
+    # KeepPolicy.decide's questions and WriteQueue.has_room's, asked inline: their calls are counted
+    # a save (tests/test_pack_calls.py); a change to them is a change here too
+    if (region is None or end > region.reserved or (keep and clock.closed) or n < policy.min_bytes or tier._forked
             or (writer.inflight_bytes and writer.inflight_bytes + n > writer._max_inflight)):
         return None
     if policy.keep_from_layer is not None:
         layer = off._layer_stack[-1] if off._layer_stack else None
         if layer is not None and layer >= policy.keep_from_layer:
             return None
-    if producer_stream(t) is not g.stream:
+    if not g.takes(n, producer_stream(t), t.device, off._group_saves):
         return None
     clock.produced(n)
     if keep and not clock.allows(n):

@@ -276,8 +276,7 @@ class SaveHooks:
         it is an entry of its own (Note [the last save waits]: under a quarter of the open group's
         last save, which does not go for it)."""
         g, stream, n = scope.group, device.producer_stream(t), hi - lo
-        if g is not None and (len(g.parts) >= self._group_saves or g.nbytes + n > GROUP_BYTES or g.stream is not stream
-                              or g.device != t.device):
+        if g is not None and not g.takes(n, stream, t.device, self._group_saves):
             if 4 * n < g.parts[-1].nbytes:
                 return None
             self._writer.hand_over_group(scope, op)

@@ -242,11 +242,10 @@ class HostPool:
     def shrink(self, ext: HostExtent, nbytes: int) -> None:
         """Gives back what ``ext`` reserved beyond its first ``nbytes`` (at least 1)."""
         with self._lock:
-            before = ext.reserved
-            self._slabs[ext.slab][1].shrink(ext.offset, nbytes, trimmed=True)
-            ext.reserved = -(-nbytes // ALIGN) * ALIGN
+            for _, length in self._slabs[ext.slab][1].shrink(ext.offset, nbytes, trimmed=True):
+                ext.reserved -= length
+                self.used -= length
             ext.nbytes = nbytes
-            self.used -= before - ext.reserved
 
     def view(self, ext: HostExtent) -> torch.Tensor:
         """The extent's bytes (1-D uint8, ``ext.nbytes`` long)."""
