@@ -20,7 +20,7 @@ from ssdtrain.device import cuda as device
 from ssdtrain.device import measure
 from ssdtrain.engine import keep
 from ssdtrain.engine.cache import Entry, Small, State, rebuild_on
-from ssdtrain.engine.group import GROUP_BYTES, Group, Part, join
+from ssdtrain.engine.group import GROUP_BYTES, Group, Part, join, start
 from ssdtrain.engine.parts import Parts
 from ssdtrain.engine.ref import GRAVEYARD_BATCH, Ref
 from ssdtrain.host.host_pool import GroupExtent
@@ -152,8 +152,11 @@ class SaveHooks:
             if type(entry) is Part:  # a group's (Note [saves handed over together share an entry])
                 part, entry = entry, entry.entry
                 part.whole = None  # saved again: its read is bytes
-            elif entry is None and tier and scope.group is not None:  # Note [a group's parts are carved from one region]
-                joined = join(self, scope.group, t, storage, lo, hi, op, nbytes)
+            elif entry is None and tier:  # Note [a group's parts are carved from one region]
+                if scope.group is not None:
+                    joined = join(self, scope.group, t, storage, lo, hi, op, nbytes)
+                if joined is None:  # Note [a group is started in one function]
+                    joined = start(self, scope, t, storage, lo, hi, op, nbytes)
             if joined:
                 out = Ref(joined.entry, t, self._graveyard, view_lo, whole, joined)
                 if out.whole:
