@@ -57,3 +57,51 @@ def test_the_copies_floor_moves_the_bytes_with_no_engine(tmp_path):
     run = pack_cost.measure("copies", model, tokens, 1, str(tmp_path))
     assert run["saves"] > 50 and run["pack_calls"] <= 3
     assert run["copied_bytes_per_step"] >= 2 * 2 * 64 * 64 * 4 * 4  # at least a block's activations, out and back
+
+
+@pytest.mark.parametrize("mode", ["tier", "tier-per-save", "drive", "kept"])
+def test_a_step_leaves_no_cyclic_garbage_of_ours(mode, tmp_path, monkeypatch):
+    """Note [a freed entry is in no cycle]: what a step's saves made is freed as its last reference
+    dies, not left to the cyclic collector (whose full collections take the training thread)."""
+    import gc
+
+    import ssdtrain
+
+    monkeypatch.setattr(offloader_mod, "_TIER_DEVICES", ("cuda", "cpu"))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=512, seq=64, layers=4, hidden=64, heads=4))
+    tokens = torch.randint(0, 512, (2, 64))
+    off = ssdtrain.Offloader(model, path=str(tmp_path), min_bytes=0, backend="memory",
+                             **({"host_bytes": 0} if mode in ("drive", "kept") else {}))
+    if mode == "tier-per-save":
+        off._group_saves = 1
+    if mode == "kept":
+        off._kept_at_once = lambda t, nbytes: "budget_kept_bytes"
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        with off:
+            loss = model(tokens, tokens)
+        loss.backward()
+        off.wait()
+
+    enabled = gc.isenabled()
+    try:
+        for _ in range(2):  # the engine's modules and the pool warm
+            step()
+        gc.collect()
+        gc.disable()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        for _ in range(3):
+            step()
+        gc.collect()
+        ours = [type(o).__qualname__ for o in gc.garbage if type(o).__module__.startswith("ssdtrain.")]
+        st = off.stats()
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        if enabled:
+            gc.enable()
+        off.close()
+    assert st.saved_bytes > 0 and (mode == "kept" or st.written_bytes > 0)
+    assert not ours, sorted(set(ours))

@@ -221,6 +221,7 @@ class Scopes:
         if scope.live_entries == 0 and self.by_id.get(scope.id) is scope and all(r[1] is not scope
                                                                                 for r in self.active):
             del self.by_id[scope.id]
+            scope.order = []  # Note [a freed entry is in no cycle]
             if self._on_forget is not None:
                 self._on_forget(scope)
 
