@@ -24,10 +24,10 @@ group still open when backward begins stays in memory, as the queued saves did (
 last saves of a forward, which backward needs first); the next save that does not fit closes it,
 and ``wait()``, another forward, backpressure and the end of forward (a group of several saves) hand
 it over, as they queue the held last save. Drives' writes (a spill, or no tier) keep one entry a
-save. The price is paid in peak, for small saves: a small GPT's step peak on a modelled H100 fell
-84-93% as far with groups of 8 as with an entry a save, and less with groups of 32
-(``benchmarks/cpu-results/2026-11-29-carve/modelled_peaks.py``); saves over half of ``GROUP_BYTES``
-make groups of one part and pay nothing.
+save. The price is paid in peak, for small saves: a small GPT's step peak on a modelled H100 falls
+92-96% as far with groups of 8 as with an entry a save (83-93% before Note [a small save joins a
+full group]), and less with groups of 16 or 32 (``benchmarks/cpu-results/2026-11-29-start/
+modelled_peaks.py``); saves over half of ``GROUP_BYTES`` make groups of one part and pay nothing.
 
 Note [a group's buffers go part by part]
 A group's reads land in one buffer a part (:class:`Bufs`). Held until the last of the group's saves
@@ -136,9 +136,10 @@ class Group(Entry):
 
     def takes(self, n: int, stream: Any, dev: torch.device, most: int) -> bool:
         """Whether a new storage region of ``n`` bytes, saved on ``stream`` of ``dev``, fits this
-        group of at most ``most`` storages (else the group closes for it)."""
-        return (len(self.parts) < most and self.nbytes + n <= GROUP_BYTES and self.stream is stream
-                and self.device == dev)
+        group of ``most`` storages (else the group closes for it); a region under a quarter of the
+        group's last one fits a full group too (Note [a small save joins a full group])."""
+        return ((len(self.parts) < most or 4 * n < self.parts[-1].nbytes) and self.nbytes + n <= GROUP_BYTES
+                and self.stream is stream and self.device == dev)
 
     def check_version(self) -> None:
         """Each part's (Note [in-place after save]): a part changed taints its saves alone."""
@@ -208,6 +209,17 @@ def join(off: Any, g: Group, t: torch.Tensor, storage: torch.UntypedStorage, lo:
     if (t if base is None else base).grad_fn is None:  # Note [bytes an earlier op made may go at once]
         g.op = op
     return p
+
+
+# Note [a small save joins a full group]
+# A save under a quarter of the open group's last one does not close the group (Note [the last
+# save waits] in ``writer.py``: the last large save of a forward is what backward needs first). So
+# such a save after a full group's last part (a norm's statistics after its input: 512 bytes after
+# 32 KiB, twelve a step of pack_cost's GPT) was made an entry of its own by the general path, at
+# several times a join's cost, and then written, settled and read back as one. It joins the full
+# group instead, as one part more (within ``GROUP_BYTES``): a group holds ``GROUP_SAVES`` storages
+# and such small ones after them. A chain of them stops at the first that is not under a quarter
+# of the part before it.
 
 
 # Note [a group is started in one function]
