@@ -2,7 +2,7 @@
 allocated as backward begins: the host tier's groups of 8 storages (the default), 16, 32, an entry a
 save, and no offloading. Virtual time: exact and repeatable. ``python modelled_peaks.py [layers]``
 (``modelled_peaks.txt``: 4 and 8 blocks on this session's tree; the carve directory beside has the
-same rows before it)."""
+same rows before it, printed by this script's earlier form, since removed)."""
 import contextlib
 import sys
 
