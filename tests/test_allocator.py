@@ -459,3 +459,24 @@ def test_shrink_gives_back_the_tail_and_keeps_the_head():
         a.free(off, length)  # its old length is not its length any more
     a.free(off, 8192)
     assert a.consistent() and a.used_bytes == 8192
+
+
+def test_split_makes_two_live_extents_each_freed_on_its_own():
+    """Note [a group's region passes on]: a split extent is two live extents, the use unchanged;
+    each is freed (or split again) by itself, and misuse raises."""
+    a = ExtentAllocator(4096)
+    off, _ = a.allocate(16384)
+    assert a.split(off, 5000) == (off + 8192, 8192)
+    assert a.used_bytes == 16384 and a.consistent()
+    assert a.split(off, 8192) is None  # nothing left beyond it
+    assert a.split(off + 8192, 4096) == (off + 12288, 4096)
+    for bad in (0, 8193):
+        with pytest.raises(ValueError, match="split"):
+            a.split(off, bad)
+    a.free(off + 8192, 4096)
+    assert a.used_bytes == 12288 and a.consistent()
+    with pytest.raises(ValueError):
+        a.free(off, 16384)  # its old length is not its length any more
+    a.free(off, 8192)
+    a.free(off + 12288, 4096)
+    assert a.used_bytes == 0 and a.end == 0 and a.consistent()

@@ -221,6 +221,45 @@ def test_a_groups_parts_are_carved_from_one_region_and_its_tail_goes_back(off_di
         off.close()
 
 
+def test_a_groups_region_passes_on_to_the_next_group(off_dir, tier_on_cpu):
+    """Note [a group's region passes on]: groups of small saves, one after another, share one
+    reservation: each new group's region is the closing group's unused tail (its first save carved
+    at the tail's start: Note [a group is started in one function]), the pool's use does not grow
+    for it, every save comes back exact, and freeing them all leaves the pool empty."""
+    from ssdtrain.host.host_pool import ALIGN
+    off = _off(off_dir)
+    saves = [torch.randn(1000) * 1.0 for _ in range(4 * GROUP_SAVES)]  # 4000 B each: a 4 KiB slot
+    want = [t.clone() for t in saves]
+    try:
+        with off:
+            refs = _pack_all(off, saves)
+            groups = list(dict.fromkeys(r.entry for r in refs))
+            assert len(groups) == 4 and all(len(g.parts) == GROUP_SAVES for g in groups)
+            pool = off._tier.pool
+            first = groups[0].extent
+            top = first.parts[0].offset + first.parts[0].reserved  # the general path's first part
+            for g in groups[1:]:
+                gx = g.extent
+                # the first part is carved at the region's start, and the region begins where the
+                # group before it stopped using its own
+                assert gx.parts[0].reserved == 0 and gx.parts[0].offset == gx.region.offset
+                assert gx.region.offset == first.region.offset + first.used
+                assert [p.offset - gx.region.offset for p in gx.parts] == [i * ALIGN for i in range(GROUP_SAVES)]
+                first = gx
+            assert pool.used == top - groups[0].extent.parts[0].offset + groups[0].extent.region.reserved + sum(
+                g.extent.region.reserved for g in groups[1:])
+            assert pool.used <= ALIGN + GROUP_BYTES  # one reservation, passed on
+        off.wait()
+        outs = [off._unpack(r) for r in reversed(refs)][::-1]
+        assert all(torch.equal(o, w) for o, w in zip(outs, want))
+        del refs, outs
+        off.wait()
+        assert off._tier.pool.used == 0
+        assert all(alloc.consistent() for _, alloc in off._tier.pool._slabs)
+    finally:
+        off.close()
+
+
 @pytest.mark.parametrize("host_bytes", ["64MiB", "1MiB"])
 def test_carved_parts_are_exact_and_a_small_pool_gives_each_part_its_own_extent(off_dir, tier_on_cpu, host_bytes):
     """The GPT through the tier with parts carved from regions and with an extent a part gives the

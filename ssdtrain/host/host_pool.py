@@ -247,6 +247,18 @@ class HostPool:
                 self.used -= length
             ext.nbytes = nbytes
 
+    def split(self, ext: HostExtent, nbytes: int) -> HostExtent | None:
+        """Cuts what ``ext`` reserved beyond its first ``nbytes`` (at least 1) into an extent of
+        its own, reserved as it was (Note [a group's region passes on] in ``engine/group.py``);
+        None if nothing is left. The pool's use is unchanged."""
+        with self._lock:
+            tail = self._slabs[ext.slab][1].split(ext.offset, nbytes)
+            if tail is None:
+                return None
+            ext.reserved -= tail[1]
+            ext.nbytes = nbytes
+        return HostExtent(ext.slab, tail[0], tail[1], tail[1])
+
     def view(self, ext: HostExtent) -> torch.Tensor:
         """The extent's bytes (1-D uint8, ``ext.nbytes`` long)."""
         return self._slabs[ext.slab][0][ext.offset:ext.offset + ext.nbytes]

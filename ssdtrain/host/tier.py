@@ -189,7 +189,8 @@ class TieredBackend(Backend):
         """A group closed: its region keeps what its parts use, the rest goes back to the pool
         (Note [a group's parts are carved from one region] in ``engine/group.py``)."""
         if extent.used:
-            self.pool.shrink(extent.region, extent.used)
+            if extent.used < extent.region.reserved:  # else its tail passed on already
+                self.pool.shrink(extent.region, extent.used)
         else:
             region, extent.region = extent.region, None
             self.pool.free(region)

@@ -157,7 +157,18 @@ class ExtentAllocator:
 
     def shrink(self, offset: int, length: int, *, trimmed: bool = False) -> list[tuple[int, int]]:
         """Gives back the tail of a live extent beyond its first ``length`` bytes (rounded up to
-        the alignment): the extent is split in two and the second freed as :meth:`free` frees it.
+        the alignment): the extent is split in two (:meth:`split`) and the second freed as
+        :meth:`free` frees it.
+
+        Raises:
+            ValueError: ``offset`` is not a live extent's, or ``length`` is not within it.
+        """
+        tail = self.split(offset, length)
+        return [] if tail is None else self.free(*tail, trimmed=trimmed)
+
+    def split(self, offset: int, length: int) -> tuple[int, int] | None:
+        """Splits a live extent after its first ``length`` bytes (rounded up to the alignment)
+        into two live extents; the second's ``(offset, length)``, None if nothing is left.
 
         Raises:
             ValueError: ``offset`` is not a live extent's, or ``length`` is not within it.
@@ -165,14 +176,14 @@ class ExtentAllocator:
         have = self._allocated.get(offset)
         keep = -(-length // self._align) * self._align if length > 0 else 0
         if have is None or offset in self._trimming or not 0 < keep <= have:
-            raise ValueError(f"cannot shrink extent (offset={offset}) to {length} bytes: it holds {have}")
+            raise ValueError(f"cannot shrink or split extent (offset={offset}) at {length} bytes: it holds {have}")
         if keep == have:
-            return []
+            return None
         # Note [leaked, never doubly held]: the extent is shortened before its tail becomes one of its
         # own; cut short between the two, the tail is leaked, not held twice
         self._allocated[offset] = keep
         self._allocated[offset + keep] = have - keep
-        return self.free(offset + keep, have - keep, trimmed=trimmed)
+        return offset + keep, have - keep
 
     def consistent(self) -> bool:
         """Whether the free ranges and counts agree with the live extents (cheap: sums only)."""
