@@ -231,7 +231,8 @@ def join(off: Any, g: Group, t: torch.Tensor, storage: torch.UntypedStorage, lo:
 # save that would open a group whose parts are carved (Note [a group's parts are carved from one
 # region]) is decided by :func:`start` in one function, as :func:`join` decides one that joins: the
 # same questions asked inline in the general path's order, the open group handed over, one region
-# of ``GROUP_BYTES`` reserved, and the save carved as its first part at the region's start. Any
+# of ``GROUP_BYTES`` reserved (or the closing group's tail: Note [a group's region passes on]), and
+# the save carved as its first part at the region's start. Any
 # other answer leaves the save to the general path as before (None: nothing changed but the hand-
 # over, which the general path would have made too; False: the copy budget refused it, counted).
 # Questions the general path settles once for all (the pool's start, the forward's device, the fork
