@@ -259,7 +259,8 @@ def start(off: Any, scope: Any, t: torch.Tensor, storage: torch.UntypedStorage, 
     policy = off._policy
     clock = tier.clock
     keep = policy.when_full == "keep"
-    # KeepPolicy.decide's questions, WriteQueue.has_room's and the general path's, asked inline
+    # KeepPolicy.decide's questions, WriteQueue.has_room's and the general path's, asked inline as
+    # join asks them (its twin: a change to one is a change to the other and to those it stands for)
     if (2 * n > GROUP_BYTES or pool is None or tier._forked or not off._carve or off._group_saves < 2
             or (keep and clock.closed) or n < policy.min_bytes
             or (writer.inflight_bytes and writer.inflight_bytes + n > writer._max_inflight)
@@ -273,11 +274,9 @@ def start(off: Any, scope: Any, t: torch.Tensor, storage: torch.UntypedStorage, 
     if g is not None:
         if g.takes(n, stream, dev, off._group_saves) or 4 * n < g.parts[-1].nbytes:
             return None  # it joins the group with an extent of its own, or is an entry of its own
-        last = g.extent
-        region = last.region
-        # Note [a group's region passes on]
-        region = (pool.split(region, last.used) if region is not None and last.used
-                  and region.reserved - last.used >= GROUP_BYTES // 2 else None)
+        last = g.extent  # Note [a group's region passes on]: its tail, where it holds half of GROUP_BYTES
+        passes = last.region is not None and last.used and last.region.reserved - last.used >= GROUP_BYTES // 2
+        region = pool.split(last.region, last.used) if passes else None
         writer.hand_over_group(scope, op)
     else:
         region = None

@@ -179,7 +179,8 @@ class Counters:
 
     def joined(self, scope_id: Any, saved: int, unique: int) -> None:
         """A new storage of ``unique`` bytes joined a group by a save of ``saved`` bytes
-        (``group.join``): the three counts of its path in one call, as :meth:`kept_new` does."""
+        (``group.join``, or opened one: ``group.start``): the three counts of its path in one call,
+        as :meth:`kept_new` does."""
         if scope_id is None:
             total = self.total
             total.saved_bytes += saved
