@@ -101,6 +101,16 @@ def test_driver_streams_report_a_driver_that_cannot_make_one(tmp_path):
     assert streams.take(0) == 1234  # a stream given back is handed out again, never destroyed
 
 
+def test_a_driver_that_cannot_make_a_stream_sends_the_process_to_the_pool(monkeypatch):
+    # side_stream()'s fallback (a GPU's driver pool refusing a stream): the process takes its
+    # streams from torch's pool from then on, and says so (it once named variables it lacked).
+    monkeypatch.setattr(device_streams, "_driver", [object(), "dedicated"])
+    device_streams.pool_instead("cuStreamCreate failed: CUDA_ERROR_OUT_OF_MEMORY (2)")
+    assert device_streams._driver_streams() is None
+    assert device.stream_source() == "pool (cuStreamCreate failed: CUDA_ERROR_OUT_OF_MEMORY (2))"
+    assert device.pool_instead is device_streams.pool_instead  # the name side_stream() calls
+
+
 def test_driver_streams_without_a_driver_library():
     with pytest.raises(OSError):
         device_streams._DriverStreams("libcuda-that-does-not-exist.so.1")

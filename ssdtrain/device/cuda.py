@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ssdtrain.device.driver_streams import _driver_streams, _Lease, stream_source  # noqa: F401
+from ssdtrain.device.driver_streams import _driver_streams, _Lease, pool_instead, stream_source  # noqa: F401
 
 __all__ = [
     "is_cuda", "Fence", "producer_fence", "consumer_fence", "order", "copy_on_side_stream", "side_stream",
@@ -351,9 +351,7 @@ def side_stream(dev: torch.device) -> torch.cuda.Stream:
                 try:
                     handle = driver.take(index)
                 except RuntimeError as e:
-                    with _driver_lock:
-                        _driver[:] = [None, f"pool ({e})"]
-                    log.info("ssdtrain: I/O streams come from torch's pool: %s", e)
+                    pool_instead(str(e))
                 else:
                     _local.__dict__.setdefault("leases", []).append(_Lease(driver, index, handle))
                     stream = torch.cuda.ExternalStream(handle, device=dev)

@@ -99,6 +99,13 @@ def _driver_streams() -> _DriverStreams | None:
         return _driver[0]
 
 
+def pool_instead(why: str) -> None:
+    """Streams come from torch's pool from now on (``why``: the driver's pool failed to give one)."""
+    with _driver_lock:
+        _driver[:] = [None, f"pool ({why})"]
+    log.info("ssdtrain: I/O streams come from torch's pool: %s", why)
+
+
 def stream_source() -> str:
     """Where I/O side streams come from: ``"dedicated"`` (Note [a side stream of our own]) or
     ``"pool (why)"``; ``"none yet"`` before the first one was made."""
