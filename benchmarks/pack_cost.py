@@ -19,7 +19,10 @@ reports, per path, side by side in one run:
   together share an entry]);
 * ``drive``: the memory backend, every save written;
 * ``kept``: every save kept at once (the copy budget closed: what most saves of a GPU forward
-  meet once the tier has learned).
+  meet once the tier has learned);
+* ``tier-python``, ``kept-python``: the same with the compiled pack off (pure Python: Note [a
+  compiled pack for the common save] in ``ssdtrain/engine/native.py``); the other engine modes use
+  the compiled pack where it is built (the header says whether).
 
 For each: training-thread CPU microseconds in pack per save and in unpack per save (per call of
 the hook: parameters, which pack hands back at once, included), the Python and builtin calls
@@ -50,6 +53,8 @@ from collections import deque
 import torch
 
 import ssdtrain
+from ssdtrain.engine import hooks as hooks_mod
+from ssdtrain.engine import native
 from ssdtrain.engine import offloader as offloader_mod
 from ssdtrain.bench.models import GPT, GPTConfig
 
@@ -213,7 +218,16 @@ def _peer_hooks(mode: str, device: torch.device):
 
 def measure(mode: str, model, tokens, steps: int, path: str, setup=None) -> dict:
     """One mode: ``steps`` timed steps after three to warm up, then one profiled step; ``setup``:
-    called with the offloader once it is made (an engine's mode only: a variant of it)."""
+    called with the offloader once it is made (an engine's mode only: a variant of it). A mode
+    ending in ``-python``: its engine mode with the compiled pack off."""
+    if mode.endswith("-python"):
+        compiled, hooks_mod._native_pack = hooks_mod._native_pack, None
+        try:
+            out = measure(mode[:-len("-python")], model, tokens, steps, path, setup)
+        finally:
+            hooks_mod._native_pack = compiled
+        out["mode"] = mode
+        return out
     spent = dict.fromkeys(("_pack", "_unpack", "_pack_n", "_unpack_n", "_pack_calls_n", "_unpack_calls_n",
                            "profile"), 0)
     prof = cProfile.Profile()
@@ -353,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--modes", default="identity,copies,kept,tier,tier-per-save,drive,save_on_cpu,torchtune")
+    ap.add_argument("--modes", default="identity,copies,kept,kept-python,tier,tier-python,tier-per-save,drive,save_on_cpu,"
+                                       "torchtune")
     ap.add_argument("--intra-op-threads", type=int, default=1,
                     help="torch's intra-op threads while measuring (0: torch's default)")
     ap.add_argument("--json", metavar="FILE")
@@ -397,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     ref = next((r for r in rows if r["mode"] == "identity"), None)
     save_bytes = a.batch * a.seq * a.hidden * 4  # a float32 activation of the block
     rate = memcpy_rate(save_bytes)
+    print(f"pack: {native.native_pack_status()} (the -python modes: pure Python)")
     print(f"memcpy: {rate / 1e9:.2f} GB/s for copies of {save_bytes} B (one activation of this model), the best of "
           "five passes over 512 distinct tensors")
     print(f"{'mode':13s} {'saves':>6s} {'pack us':>8s} {'calls':>6s} {'unpack us':>10s} {'fwd ms':>8s} {'bwd ms':>8s}"
@@ -423,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     floor = next((r for r in rows if r["mode"] == "copies" and "all_threads_extra_us_per_save" in r), None)
     if floor is not None:  # Note [the copies' own floor]
         for r in rows:
-            if r["mode"] in ("tier", "tier-per-save", "drive") and "all_threads_extra_us_per_save" in r:
+            if r["mode"] in ("tier", "tier-python", "tier-per-save", "drive") and "all_threads_extra_us_per_save" in r:
                 r["all_threads_beyond_copies_us_per_save"] = (r["all_threads_extra_us_per_save"]
                                                               - floor["all_threads_extra_us_per_save"])
                 print(f"{r['mode']}: all threads +{r['all_threads_beyond_copies_us_per_save']:.1f} us a save above "

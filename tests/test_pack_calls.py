@@ -13,21 +13,29 @@ it wrote 58: a written save makes about 70 calls more than a kept one, the path 
 tier 33.6-35.8 on 2026-11-29 with group entries and parts carved from one region, from 51; 29.3-33.8
 with a join's counts in one call and no conjugate bit asked of a real tensor; 27.0-28.4 with a group
 started in one function and a small save joining a full group, four runs of five);
-issue 64 asks for at most 15 on the kept and tier paths: lower them as the path gets there."""
+issue 64 asks for at most 15 on the kept and tier paths: lower them as the path gets there. These
+ceilings hold pure Python's pack (the compiled pack off); ``COMPILED_CEILING`` holds the compiled
+one's (Note [a compiled pack for the common save]: tier 12.4, kept 11.7 on 2026-11-29), where built."""
 
 import pytest
 import torch
 from _benchmarks import load_benchmark
 
 from ssdtrain.bench.models import GPT, GPTConfig
+from ssdtrain.engine import hooks
 from ssdtrain.engine import offloader as offloader_mod
 
 pack_cost = load_benchmark("pack_cost")
 CEILING = {"kept": 13, "tier": 32, "drive": 84}
+COMPILED_CEILING = {"kept": 13, "tier": 14}
 
 
-@pytest.mark.parametrize("mode", list(CEILING))
-def test_pack_calls_per_save_do_not_grow(mode, tmp_path, monkeypatch):
+@pytest.mark.parametrize("compiled, mode", [(False, m) for m in CEILING] + [(True, m) for m in COMPILED_CEILING])
+def test_pack_calls_per_save_do_not_grow(compiled, mode, tmp_path, monkeypatch):
+    if compiled and hooks._native_pack is None:
+        pytest.skip("the compiled pack is not built here (test_pack_native.py says whether it must be)")
+    if not compiled:
+        monkeypatch.setattr(hooks, "_native_pack", None)
     monkeypatch.setattr(offloader_mod, "_TIER_DEVICES", ("cuda", "cpu"))
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=512, seq=64, layers=4, hidden=64, heads=4))
@@ -38,7 +46,7 @@ def test_pack_calls_per_save_do_not_grow(mode, tmp_path, monkeypatch):
     runs = [pack_cost.measure(mode, model, tokens, 1, str(tmp_path)) for _ in range(5)]
     assert all(r["saves"] > 100 for r in runs)  # every save of the forward went through pack
     calls = min(r["pack_calls"] for r in runs)
-    assert 5 < calls <= CEILING[mode], [r["pack_calls"] for r in runs]
+    assert 5 < calls <= (COMPILED_CEILING if compiled else CEILING)[mode], [r["pack_calls"] for r in runs]
 
 
 def test_the_identity_floor_counts_no_call(tmp_path):

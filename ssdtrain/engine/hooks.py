@@ -18,7 +18,7 @@ import torch
 
 from ssdtrain.device import cuda as device
 from ssdtrain.device import measure
-from ssdtrain.engine import keep
+from ssdtrain.engine import keep, native
 from ssdtrain.engine.cache import Entry, Small, State, rebuild_on
 from ssdtrain.engine.group import GROUP_BYTES, Group, Part, join, start
 from ssdtrain.engine.parts import Parts
@@ -42,6 +42,7 @@ _now = time.perf_counter  # a seam for tests (the Offloader reads the time throu
 # is C code from torch 2.14 on, with no frame to tell it by).
 _op_now = getattr(torch.autograd, "_get_sequence_nr", None) or (lambda: 0)
 
+_native_pack = native.load_pack(globals())  # None: pure Python
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _strided = torch.strided
@@ -53,22 +54,23 @@ class SaveHooks:
 
     # -- pack ---------------------------------------------------------------------------------
     # Note [pack's common case in one function]
-    # Every call below is paid once per save, on the thread that launches the model's kernels
-    # (about 325 saves a step at the bench's GPU shape; 37 us a save doubled an H200's host
-    # forward, 2026-11-27), and on the CPU the same Python costs the same: so pack makes as few
-    # calls as it can (``benchmarks/pack_cost.py`` counts them, tests/test_pack_calls.py holds the
-    # count). A plain strided CPU or CUDA tensor outside a kept module, on an open offloader, is
-    # screened here by properties (no call): a parameter or a view of one, a weight cast, a
-    # storage of the model's, a small storage (Note [a small save skips the cache]) and a save
-    # its forward's budget keeps (Note [a save the budget keeps skips the cache]) are settled in
-    # this function; everything else (subclasses, meta, quantized, empty, zero tensors, CUDA
-    # graph capture, a kept module, a closed offloader, a profiler) takes the general path,
-    # ``_pack_general``, which asks ``keep.as_is`` every question. Both reach the same state for
-    # the same save (tests/test_pack_fast.py compares them). An inference tensor never reaches
-    # a pack hook: autograd refuses to save one before it calls hooks (the same test holds it).
+    # Every call below is paid once per save, on the thread that launches the model's kernels (37 us
+    # a save doubled an H200's host forward, 2026-11-27): so pack makes as few calls as it can
+    # (``benchmarks/pack_cost.py`` counts them, tests/test_pack_calls.py holds the count; its
+    # compiled twin: Note [a compiled pack for the common save]). A plain strided CPU or CUDA tensor
+    # outside a kept module, on an open offloader, is screened here by properties (no call): a
+    # parameter or a view of one, a weight cast, a storage of the model's, a small storage (Note [a
+    # small save skips the cache]) and a save its forward's budget keeps (Note [a save the budget
+    # keeps skips the cache]) are settled in this function; everything else (subclasses, meta,
+    # quantized, empty, zero tensors, CUDA graph capture, a kept module, a closed offloader, a
+    # profiler) takes the general path, ``_pack_general``, which asks ``keep.as_is`` every question.
+    # Both reach the same state for the same save (tests/test_pack_fast.py compares them). An
+    # inference tensor never reaches a pack hook: autograd refuses to save one first (same test).
     def _pack(self, t: torch.Tensor) -> Any:
         if type(t) is _Parameter:
             return t  # keep.as_is: a parameter (a leaf: keep.alias hands it back as it is)
+        if _native_pack is not None:  # Note [a compiled pack for the common save] (``native.py``)
+            return _native_pack(self, t)
         if (type(t) is not _Tensor or t.layout is not _strided or not (t.is_cuda or t.is_cpu) or t.is_quantized
                 or not t.nbytes or self._keep_depth[0] or self._closed or _profiler._is_profiler_enabled):
             return self._pack_general(t)

@@ -1,0 +1,73 @@
+"""The optional compiled pack: which pack hook body runs, the compiled one or pure Python.
+
+Note [a compiled pack for the common save]
+Pack runs on the thread that launches the model's kernels, once a save (Note [pack's common case
+in one function] in ``hooks.py``). In Python, the save that joins its scope's open group (most of
+a host tier's saves: Note [a group's parts are carved from one region] in ``group.py``) still made
+about 44 calls of its own (the screening's properties, the span, the group's part, its index
+record, the copy clock's and the peak's counts, its :class:`~ssdtrain.engine.ref.Ref`), some
+nine microseconds of a CPU's time; the issue that asked for at most 15 calls a save said where
+Python cannot get there, a compiled fast path, never required. ``cuda_ext/_cpack.c`` is that path:
+``SaveHooks._pack`` and the join case of ``_pack_plain`` written against Python's C API (no torch
+headers: it builds for any torch), built at install as ``ssdtrain._cpack`` where a C compiler is
+(``setup.py``; a failed build leaves pure Python). It asks the same questions in the same order and
+makes the same objects; any save other than a join (a group's first, a small one, one saved
+before, one that needs a safe point, anything the general path screens) goes to the Python function
+that decides it, with nothing changed. Pure Python stays complete and is the reference:
+``tests/test_pack_native.py`` runs both on the same saves and compares the two states object by
+object, and the call count that holds pack's Python (tests/test_pack_calls.py) is taken with the
+compiled path off. ``SSDTRAIN_NATIVE=0`` turns it off for a process.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+__all__ = ["NATIVE_ABI", "load_pack", "native_pack_status"]
+
+NATIVE_ABI = 1
+"""The build's number that this source expects (``cuda_ext/_cpack.c``'s ``NATIVE_ABI``): a build
+from another source is not used."""
+
+_status = "not loaded"
+
+
+def load_pack(hooks_globals: dict) -> Any:
+    """The compiled pack (``pack(offloader, tensor)``), configured for ``hooks.py``'s module
+    (``hooks_globals``: its seams, ``_now`` and ``_op_now``, are read from it at each save), or None
+    where it is off, not built, or built from another source (Note [a compiled pack for the common
+    save])."""
+    global _status
+    if os.environ.get("SSDTRAIN_NATIVE", "1") == "0":
+        _status = "off (SSDTRAIN_NATIVE=0)"
+        return None
+    try:
+        from ssdtrain import _cpack
+    except ImportError as e:
+        _status = f"not built ({e})"
+        return None
+    if _cpack.abi() != NATIVE_ABI:
+        _status = f"stale build (ABI {_cpack.abi()}, this source {NATIVE_ABI}): reinstall ssdtrain to rebuild it"
+        return None
+    from ssdtrain.device import cuda as device
+    from ssdtrain.engine import group, ref, small, views
+    from ssdtrain.host import copy_clock, host_pool
+
+    _cpack.configure({
+        "Tensor": torch.Tensor, "Parameter": torch.nn.Parameter, "strided": torch.strided,
+        "Part": group.Part, "Ref": ref.Ref, "RefWeak": ref._RefWeak, "StorageRef": small.StorageRef,
+        "HostExtent": host_pool.HostExtent, "profiler": torch.autograd.profiler, "device": device,
+        "hooks": hooks_globals, "join": group.join, "OWED": ref.OWED, "COUNTED": ref.COUNTED,
+        "SPAN_ALIGN": views.SPAN_ALIGN, "ALIGN": host_pool.ALIGN, "GROUP_BYTES": group.GROUP_BYTES,
+        "DUE_MARGIN": float(copy_clock.DUE_MARGIN),
+    })
+    _status = "compiled"
+    return _cpack.pack
+
+
+def native_pack_status() -> str:
+    """``"compiled"``, or why pack is pure Python (for ``ssdtrain probe`` and the benchmarks)."""
+    return _status
