@@ -43,10 +43,7 @@ _now = time.perf_counter  # a seam for tests (the Offloader reads the time throu
 _op_now = getattr(torch.autograd, "_get_sequence_nr", None) or (lambda: 0)
 
 _native_pack = native.load_pack(globals())  # None: pure Python
-_Tensor = torch.Tensor
-_Parameter = torch.nn.Parameter
-_strided = torch.strided
-_profiler = torch.autograd.profiler
+_Tensor, _Parameter, _strided, _profiler = torch.Tensor, torch.nn.Parameter, torch.strided, torch.autograd.profiler
 
 
 class SaveHooks:
