@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import ssdtrain
-from ssdtrain.engine import hooks as hooks_mod
+from ssdtrain.engine import unpack as unpack_mod
 from ssdtrain.engine.cache import State
 
 from _equiv import assert_same
@@ -45,8 +45,8 @@ def test_deaths_of_saves_on_the_host_are_settled_a_batch_at_a_time(off_dir, tier
     model, loss_fn = _gpt()
     drains = {}
     results = {}
-    for batch in (1, hooks_mod.GRAVEYARD_BATCH):
-        monkeypatch.setattr(hooks_mod, "GRAVEYARD_BATCH", batch)
+    for batch in (1, unpack_mod.GRAVEYARD_BATCH):
+        monkeypatch.setattr(unpack_mod, "GRAVEYARD_BATCH", batch)
         off = _off(off_dir, model)
         count = [0]
         real = off._drain
@@ -71,5 +71,5 @@ def test_deaths_of_saves_on_the_host_are_settled_a_batch_at_a_time(off_dir, tier
         finally:
             off.close()
         drains[batch] = count[0]
-    assert_same(results[1], results[hooks_mod.GRAVEYARD_BATCH])
-    assert drains[1] >= 10 and drains[hooks_mod.GRAVEYARD_BATCH] * 4 <= drains[1], drains
+    assert_same(results[1], results[unpack_mod.GRAVEYARD_BATCH])
+    assert drains[1] >= 10 and drains[unpack_mod.GRAVEYARD_BATCH] * 4 <= drains[1], drains

@@ -11,7 +11,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import pack_cost  # noqa: E402
 
 from ssdtrain.bench.models import GPT, GPTConfig  # noqa: E402
-from ssdtrain.engine import hooks, offloader  # noqa: E402
+from ssdtrain.engine import offloader  # noqa: E402
+from ssdtrain.engine import unpack as hooks  # noqa: E402  (GRAVEYARD_BATCH is read there since 2026-11-29)
 
 offloader._TIER_DEVICES = ("cuda", "cpu")
 torch.set_num_threads(1)
