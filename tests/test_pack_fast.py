@@ -5,6 +5,7 @@ two must reach the same state for the same saves: the same counters, the same gr
 same kinds of handles, on every path (kept at once, small, the host tier, the drive)."""
 
 import dataclasses
+import itertools
 import types
 
 import pytest
@@ -150,3 +151,28 @@ def test_autograd_refuses_an_inference_tensor_before_any_pack_hook():
         with pytest.raises(RuntimeError, match="Inference tensors cannot be saved for backward"):
             x * w
     assert packed == []
+
+
+def test_a_models_storages_are_found_in_one_walk():
+    """Note [a model's storages are found in one walk] (``keep.py``): the keys pack screens by are
+    those of ``parameters()`` and ``buffers()``, with tied weights, parametrized weights, absent
+    biases and buffers, buffers of their own, and parameters with no storage (meta)."""
+    from torch.nn.utils import parametrizations
+
+    from ssdtrain.engine import keep
+
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(vocab=64, seq=16, layers=2, hidden=16, heads=2))
+    tied = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 10, bias=False))
+    tied[1].weight = tied[0].weight
+    normed = parametrizations.weight_norm(torch.nn.Linear(4, 4))
+    odd = torch.nn.Module()
+    odd.register_buffer("absent", None)
+    odd.register_buffer("scale", torch.ones(3))
+    odd.register_parameter("none", None)
+    with torch.device("meta"):
+        meta = torch.nn.Linear(4, 4)
+    for models in ([gpt], [tied], [normed], [odd], [meta], [gpt, tied, gpt]):
+        want = keep.storage_keys(t for m in models for t in itertools.chain(m.parameters(), m.buffers()))
+        assert keep.model_storage_keys(models) == want
+    assert len(keep.model_storage_keys([tied])) == 1 and len(keep.model_storage_keys([normed])) == 3

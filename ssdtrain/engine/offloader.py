@@ -289,7 +289,7 @@ class Offloader(hooks.SaveHooks):
         self._check_open()
         self._safe_point(raise_errors=True)
         if self._models:
-            self._pinned = keep.storage_keys(t for m in self._models for t in itertools.chain(m.parameters(), m.buffers()))
+            self._pinned = keep.model_storage_keys(self._models)  # Note [a model's storages are found in one walk]
         self._layer_stack.clear()
         self._keep_depth[0] = 0
         with self._lock:

@@ -38,13 +38,19 @@ class UnpackHooks:
         if ((dead.urgent or len(dead) >= GRAVEYARD_BATCH) or self._writer.completed or cache.late or cache.small.dead
                 or cache.lagging or self._failures.pending):
             self._safe_point(raise_errors=False)  # its conditions, asked here without its call
-        if self._tier is not None:
-            self._see_peak()
+        if self._tier is not None and self._fwd_dev is not None and self._tier.clock.reference is None:
+            self._see_peak()  # its first question asked here (Note [unpack's common case without calls])
         if _profiler._is_profiler_enabled:  # Note [pack's common case in one function]
             with profiled("ssdtrain.unpack"):
                 return self._unpack_entry(ref)
         return self._unpack_entry(ref)
 
+    # Note [unpack's common case without calls]
+    # As pack (Note [pack's common case in one function] in ``hooks.py``), unpack runs once a save
+    # on the training thread, and its Ref's common case (a part read back and landed, or still in
+    # memory) made some 40 calls: here the first questions of ``_see_peak``, ``check_version``,
+    # ``Scope.used``, ``Reader.order_after`` and ``for_consumer`` are asked inline (a change to
+    # them is a change here), and those functions are called only where they have work to do.
     def _unpack_entry(self, ref: Ref) -> torch.Tensor:
         e = ref.entry
         scope = e.scope
@@ -55,7 +61,11 @@ class UnpackHooks:
                 self._begin_backward(scope)
             scope.armed = False
             p = ref.part  # the entry, or its part (Note [saves handed over together share an entry])
-            p.check_version()
+            guard = p.guard  # Entry.current_version's question, asked here
+            if guard is None and p.guard_weak is not None:
+                guard = p.guard_weak()
+            if guard is not None and guard._version != p.version:
+                p.check_version()
             if p.tainted:
                 raise RuntimeError(p.tainted)
             if e.data is None and e.consumed_pass == scope.passes and e.loaded is None:
@@ -63,7 +73,9 @@ class UnpackHooks:
                 scope.passes += 1
                 scope.restart()
             self._reader.prefetch(scope, e.layer)
-            scope.used(e)
+            if e.counted_ahead:  # Scope.used, inline
+                e.counted_ahead = False
+                scope.ahead -= e.nbytes
             if e.data is not None:
                 if e.state is State.QUEUED:
                     self._writer.cancel(e)
@@ -80,8 +92,9 @@ class UnpackHooks:
             if fut is None:  # read ahead and landed: Reader.finish's work under this same lock
                 out, ext, back = self._reader.finished(e, ref, buf)
         if fut is None:
-            self._reader.order_after(ext, back)
-            return device.for_consumer(out)
+            if back is not None:  # Reader.order_after's question
+                self._reader.order_after(ext, back)
+            return out if out.is_cpu and device.modelled_gpu() is None else device.for_consumer(out)
         return device.for_consumer(self._reader.finish(e, ref, fut, buf))
 
     # Note [reads go on while kept saves are used]
