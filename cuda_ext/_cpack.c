@@ -1,9 +1,10 @@
-/* The compiled pack of a save that joins its scope's open group: ``ssdtrain._cpack``.
+/* The compiled pack of a save that joins its scope's open group or is found in the index:
+ * ``ssdtrain._cpack``.
  *
- * Note [a compiled pack for the common save] (``ssdtrain/engine/hooks.py`` has the whole Note)
- * The twin, in C, of ``SaveHooks._pack`` and of the join case of ``SaveHooks._pack_plain`` with
- * ``group.join``, ``Group.add``, ``StorageIndex.add``, ``Counters.joined``, ``CopyClock.produced``
- * and ``allows``, ``PeakRule.produced`` and ``Ref.__init__``: the same questions in the same
+ * Note [a compiled pack for the common save] (``ssdtrain/engine/native.py`` has the whole Note)
+ * The twin, in C, of ``SaveHooks._pack`` and of the join and hit cases of ``SaveHooks._pack_plain``
+ * with ``group.join``, ``Group.add``, ``StorageIndex.find`` and ``add``, ``Counters.joined`` and
+ * ``add``, ``CopyClock.produced`` and ``allows``, ``PeakRule.produced`` and ``Ref.__init__``: the same questions in the same
  * order, the same objects made with the same fields. Every question is asked before anything
  * changes; any answer other than "it joins" hands the save to the Python function that would
  * have decided it (``_pack_general`` or ``_pack_plain``), with nothing changed. A change to any of
@@ -16,7 +17,7 @@
 #include <string.h>
 
 
-#define NATIVE_ABI 1 /* hooks.py asks for this number: a stale build is not used */
+#define NATIVE_ABI 2 /* hooks.py asks for this number: a stale build is not used */
 
 /* Interned attribute names. */
 #define NAMES(X) \
@@ -36,14 +37,14 @@
     X(lo) X(guard) X(guard_weak) X(tainted) X(whole) X(refs) X(unpacked) X(_by_key) X(_counters) \
     X(joined) X(saved_bytes) X(unique_bytes) X(resident_bytes) X(op) X(graveyard) X(part) X(size) \
     X(dtype) X(conj) X(neg) X(gen) X(weak) X(filed) X(ref_weaks) X(is_complex) X(is_conj) X(is_neg) \
-    X(_queue) X(pack_pumps) X(pump) X(_now) X(_op_now) X(join) X(scope) X(_safe_point) X(raise_errors)
+    X(_queue) X(pack_pumps) X(pump) X(_now) X(_op_now) X(join) X(scope) X(_safe_point) X(raise_errors) X(add) X(state)
 
 #define DECLARE(n) static PyObject *S_##n;
 NAMES(DECLARE)
 
 static struct {
     PyObject *Tensor, *Parameter, *strided, *Part, *Ref, *RefWeak, *StorageRef, *HostExtent;
-    PyObject *profiler, *device, *hooks, *group_join, *inf, *to_copy, *empty;
+    PyObject *profiler, *device, *hooks, *group_join, *inf, *to_copy, *empty, *expired, *kept, *queued;
     long long span_align, align, group_bytes;
     PyObject *owed, *counted;
     double due_margin;
@@ -87,7 +88,8 @@ static PyObject *configure(PyObject *mod, PyObject *kw) {
     TAKE(Tensor, "Tensor"); TAKE(Parameter, "Parameter"); TAKE(strided, "strided"); TAKE(Part, "Part");
     TAKE(Ref, "Ref"); TAKE(RefWeak, "RefWeak"); TAKE(StorageRef, "StorageRef"); TAKE(HostExtent, "HostExtent");
     TAKE(profiler, "profiler"); TAKE(device, "device"); TAKE(hooks, "hooks"); TAKE(group_join, "join");
-    TAKE(owed, "OWED"); TAKE(counted, "COUNTED");
+    TAKE(owed, "OWED"); TAKE(counted, "COUNTED"); TAKE(expired, "expired"); TAKE(kept, "KEPT");
+    TAKE(queued, "QUEUED");
 #undef TAKE
     PyObject *v;
 #define NUM(field, key, conv) do { v = PyDict_GetItemString(kw, key); \
@@ -113,6 +115,74 @@ static PyObject *leaf_or_detached(PyObject *t) {
     if (b < 0) return NULL;
     if (b) { Py_INCREF(t); return t; }
     return PyObject_CallMethodNoArgs(t, S_detach);
+}
+
+/* PeakRule.produced(nbytes, hooks._now()) where the peak rule is active. 0, or -1 with an error. */
+static int peak_produced(PyObject *peak, long long nbytes) {
+    Own w;
+    w.n = 0;
+    PyObject *x, *y, *nowv, *start, *pos;
+    int b, rc = -1;
+    long long ppos;
+    GET(x, peak, active); TRUTH(b, x);
+    if (b) {
+        PyObject *now = PyDict_GetItemWithError(K.hooks, S__now);
+        if (now == NULL) { if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "hooks._now"); goto error; }
+        if (!(nowv = own(&w, PyObject_CallNoArgs(now)))) goto error;
+        GET(x, peak, pos); LL(ppos, x);
+        NEWLL(pos, ppos + nbytes);
+        SET(peak, pos, pos);
+        GET(x, peak, _positions); if (PyList_Append(x, pos) < 0) goto error;
+        GET(start, peak, start);
+        if (!(y = own(&w, PyNumber_Subtract(nowv, start)))) goto error;
+        GET(x, peak, _times); if (PyList_Append(x, y) < 0) goto error;
+    }
+    rc = 0;
+error:
+    drop(&w);
+    return rc;
+}
+
+/* Ref(entry, t, graveyard, view_lo, whole, part): Ref.__init__'s fields in its order (``part``
+ * is ``entry`` for an entry of its own); a new reference, or NULL with an error. */
+static PyObject *make_ref(PyObject *entry, PyObject *part, PyObject *t, PyObject *graveyard, long long view_lo,
+                          int whole, long long nbytes) {
+    Own w;
+    w.n = 0;
+    PyObject *r = NULL, *wk, *x, *shape, *stride, *dtype, *conj = Py_False, *neg;
+    int b, conj_b, neg_b;
+    long long plo, pn, refs;
+    GET(shape, t, shape); CALL0(stride, t, stride); GET(dtype, t, dtype);
+    GET(x, dtype, is_complex); TRUTH(b, x);
+    if (b) { CALL0(conj, t, is_conj); }
+    CALL0(neg, t, is_neg);
+    GET(x, part, lo); LL(plo, x);
+    GET(x, part, nbytes); LL(pn, x);
+    if (!(r = bare(K.Ref))) goto error;
+    SET(r, graveyard, Py_None);
+    SET(r, entry, entry); SET(r, part, part);
+    SET(r, size, shape); SET(r, stride, stride);
+    SETLL(r, offset, view_lo - plo);
+    SET(r, dtype, dtype);
+    TRUTH(conj_b, conj); TRUTH(neg_b, neg);
+    SET(r, conj, conj_b ? Py_True : Py_False);
+    SET(r, neg, neg);
+    SET(r, whole, whole && !(conj_b || neg_b) && plo == 0 && pn == nbytes ? Py_True : Py_False);
+    if (part != entry) { GET(x, part, refs); LL(refs, x); SETLL(part, refs, refs + 1); }
+    SETLL(r, gen, -1);
+    if (!(wk = own(&w, PyObject_CallOneArg(K.RefWeak, r)))) goto error;
+    SET(r, weak, wk);
+    SET(wk, filed, K.counted);
+    GET(x, entry, ref_weaks); if (PyList_Append(x, wk) < 0) goto error;
+    GET(x, entry, refs); LL(refs, x); SETLL(entry, refs, refs + 1);
+    SET(r, graveyard, graveyard);
+    SET(wk, filed, K.owed);
+    drop(&w);
+    return r;
+error:
+    Py_XDECREF(r);
+    drop(&w);
+    return NULL;
 }
 
 /* pack(offloader, t): SaveHooks._pack's answer for ``t`` (a parameter is handed back before). */
@@ -216,10 +286,10 @@ static PyObject *pack(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     }
     PyObject *g;
     GET(g, scope, group);
-    if (g == Py_None) goto plain;
-    {   /* a test's or a variant's join in hooks' place: the Python path calls it */
+    int may_join = g != Py_None;
+    if (may_join) {  /* a test's or a variant's join in hooks' place: the Python path calls it */
         PyObject *hj = PyDict_GetItemWithError(K.hooks, S_join);
-        if (hj != K.group_join) { if (PyErr_Occurred()) goto error; goto plain; }
+        if (hj != K.group_join) { if (PyErr_Occurred()) goto error; may_join = 0; }
     }
     PyObject *op;
     {
@@ -261,10 +331,65 @@ static PyObject *pack(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     GET(lock, off, _lock);
     CALL0(x, lock, acquire);
     lock_held = 1;
-    /* -- the questions, nothing changed yet (group.join's, in its order) ------------------- */
     GET(x, cache, index); GET(y, x, keys);
     if ((b = PySequence_Contains(y, key)) < 0) goto error;
-    if (b) goto plain_unlock;  /* a storage saved before: the index's */
+    if (b) {  /* a storage saved before: StorageIndex.find, where none of its bucket expired */
+        PyObject *bucket, *found = NULL;
+        long long tv;
+        GET(x, cache, index); GET(y, x, _by_key);
+        if (!(bucket = own(&w, PyObject_GetItem(y, key)))) goto error;
+        if (!PyList_Check(bucket)) goto plain_unlock;
+        GET(x, t, _version); LL(tv, x);
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(bucket) && found == NULL; i++) {
+            PyObject *item = PyList_GET_ITEM(bucket, i), *st;
+            long long iv, ilo, in_;
+            GET(x, item, storage_ref); GET(y, x, cdata);
+            if (!(x = own(&w, PyObject_CallOneArg(K.expired, y)))) goto error;
+            TRUTH(b, x); if (b) goto plain_unlock;  /* Python's to take out of the index */
+            GET(x, item, version); LL(iv, x);
+            if (iv != tv) continue;
+            if ((PyObject *)Py_TYPE(item) == K.Part) { GET(y, item, entry); GET(st, y, state); }
+            else { GET(st, item, state); }
+            if (st != K.kept && st != K.queued) continue;
+            GET(x, item, lo); LL(ilo, x);
+            GET(x, item, nbytes); LL(in_, x);
+            if (ilo <= view_lo && view_hi <= ilo + in_) found = item;
+        }
+        if (found == NULL) goto plain_unlock;  /* a new entry or part: Python's */
+        /* a hit: _pack_plain's changes, in its order */
+        PyObject *entry = found, *peak_, *counters_, *r;
+        if ((PyObject *)Py_TYPE(found) == K.Part) {
+            GET(entry, found, entry);
+            SET(found, whole, Py_None);  /* saved again: its read is bytes */
+        }
+        GET(peak_, off, _peak);
+        if (peak_produced(peak_, nbytes) < 0) goto error;
+        PyObject *clock_;
+        long long c_saves;
+        GET(clock_, tier, clock);  /* CopyClock.produced(0): a save, no bytes */
+        GET(x, clock_, saves); LL(c_saves, x);
+        SETLL(clock_, saves, c_saves + 1);
+        GET(y, clock_, _positions); GET(x, clock_, pos); if (PyList_Append(y, x) < 0) goto error;
+        GET(counters_, off, _counters);  /* Counters.add(stats_id, "saved_bytes", nbytes) */
+        if (stats_id == Py_None) {
+            long long v_;
+            PyObject *tot;
+            GET(tot, counters_, total);
+            GET(x, tot, saved_bytes); LL(v_, x); SETLL(tot, saved_bytes, v_ + nbytes);
+        } else {
+            PyObject *a1;
+            NEWLL(a1, nbytes);
+            if (!own(&w, PyObject_CallMethodObjArgs(counters_, S_add, stats_id, S_saved_bytes, a1, NULL))) goto error;
+        }
+        if (!(r = own(&w, make_ref(entry, found, t, graveyard, view_lo, whole, nbytes)))) goto error;
+        lock_held = 0;
+        if (!own(&w, PyObject_CallMethodNoArgs(lock, S_release))) goto error;
+        Py_INCREF(r);
+        res = r;
+        goto pump;
+    }
+    if (!may_join) goto plain_unlock;
+    /* -- the questions, nothing changed yet (group.join's, in its order) ------------------- */
     PyObject *gx, *region, *clock, *policy;
     long long at, end, reserved;
     GET(gx, g, extent); GET(region, gx, region);
@@ -380,28 +505,9 @@ static PyObject *pack(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     CALL0(detached, t, detach);
     if (!(tweak = own(&w, PyWeakref_NewRef(t, NULL)))) goto error;
     CALL0(sweak_cdata, storage, _weak_ref);
-    /* the Ref's fields read from t before anything changes */
-    PyObject *shape_, *stride_, *dtype, *conj = Py_False, *neg;
-    GET(shape_, t, shape); CALL0(stride_, t, stride); GET(dtype, t, dtype);
-    GET(x, dtype, is_complex); TRUTH(b, x);
-    if (b) { CALL0(conj, t, is_conj); }
-    CALL0(neg, t, is_neg);
 
     /* -- it joins: the changes, in the Python path's order ---------------------------------- */
-    GET(x, peak, active); TRUTH(b, x);
-    if (b) {  /* PeakRule.produced(nbytes, _now()) */
-        PyObject *now = PyDict_GetItemWithError(K.hooks, S__now), *nowv, *start, *pos;
-        if (now == NULL) { if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "hooks._now"); goto error; }
-        if (!(nowv = own(&w, PyObject_CallNoArgs(now)))) goto error;
-        long long ppos;
-        GET(x, peak, pos); LL(ppos, x);
-        NEWLL(pos, ppos + nbytes);
-        SET(peak, pos, pos);
-        GET(x, peak, _positions); if (PyList_Append(x, pos) < 0) goto error;
-        GET(start, peak, start);
-        if (!(y = own(&w, PyNumber_Subtract(nowv, start)))) goto error;
-        GET(x, peak, _times); if (PyList_Append(x, y) < 0) goto error;
-    }
+    if (peak_produced(peak, nbytes) < 0) goto error;
     /* CopyClock.produced(n); allows(n) where the policy keeps (join asks it only then) */
     NEWLL(x, c_pos); SET(clock, pos, x);
     GET(y, clock, _positions); if (PyList_Append(y, x) < 0) goto error;
@@ -458,31 +564,13 @@ static PyObject *pack(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     }
     if (fn == Py_None) SET(g, op, op);  /* Note [bytes an earlier op made may go at once] */
     /* Ref(g, t, graveyard, view_lo, whole, p) */
-    PyObject *r, *wk;
-    if (!(r = own(&w, bare(K.Ref)))) goto error;
-    SET(r, graveyard, Py_None);
-    SET(r, entry, g); SET(r, part, p);
-    SET(r, size, shape_); SET(r, stride, stride_);
-    SETLL(r, offset, view_lo - lo);
-    SET(r, dtype, dtype);
-    int conj_b, neg_b;
-    TRUTH(conj_b, conj); TRUTH(neg_b, neg);
-    SET(r, conj, conj_b ? Py_True : Py_False);
-    SET(r, neg, neg);
-    int r_whole = whole && !(conj_b || neg_b) && lo == 0 && n == nbytes;
-    SET(r, whole, r_whole ? Py_True : Py_False);
-    SETLL(p, refs, 1);
-    SETLL(r, gen, -1);
-    if (!(wk = own(&w, PyObject_CallOneArg(K.RefWeak, r)))) goto error;
-    SET(r, weak, wk);
-    SET(wk, filed, K.counted);
-    GET(x, g, ref_weaks); if (PyList_Append(x, wk) < 0) goto error;
-    long long grefs;
-    GET(x, g, refs); LL(grefs, x); SETLL(g, refs, grefs + 1);
-    SET(r, graveyard, graveyard);
-    SET(wk, filed, K.owed);
-    if (r_whole) {  /* Note [a whole save is read into its own shape] */
-        PyObject *pair = own(&w, PyTuple_Pack(2, shape_, dtype));
+    PyObject *r;
+    if (!(r = own(&w, make_ref(g, p, t, graveyard, view_lo, whole, nbytes)))) goto error;
+    GET(x, r, whole);
+    if (x == Py_True) {  /* Note [a whole save is read into its own shape] */
+        PyObject *pair;
+        GET(y, r, size); GET(z, r, dtype);
+        pair = own(&w, PyTuple_Pack(2, y, z));
         if (pair == NULL) goto error;
         SET(p, whole, pair);
     }
@@ -490,7 +578,7 @@ static PyObject *pack(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     if (!own(&w, PyObject_CallMethodNoArgs(lock, S_release))) goto error;
     Py_INCREF(r);
     res = r;
-    /* pack's pump, as _pack_plain ends */
+pump:  /* pack's pump, as _pack_plain ends */
     GET(x, writer, _queue); TRUTH(b, x);
     if (b) {
         GET(x, writer, pack_pumps); TRUTH(b, x);

@@ -15,7 +15,7 @@ with a join's counts in one call and no conjugate bit asked of a real tensor; 27
 started in one function and a small save joining a full group, four runs of five);
 issue 64 asks for at most 15 on the kept and tier paths: lower them as the path gets there. These
 ceilings hold pure Python's pack (the compiled pack off); ``COMPILED_CEILING`` holds the compiled
-one's (Note [a compiled pack for the common save]: tier 12.4, kept 11.7 on 2026-11-29), where built."""
+one's (Note [a compiled pack for the common save]: tier 9.1, kept 11.7 on 2026-11-29), where built."""
 
 import pytest
 import torch
@@ -27,7 +27,7 @@ from ssdtrain.engine import offloader as offloader_mod
 
 pack_cost = load_benchmark("pack_cost")
 CEILING = {"kept": 13, "tier": 32, "drive": 84}
-COMPILED_CEILING = {"kept": 13, "tier": 14}
+COMPILED_CEILING = {"kept": 13, "tier": 11}
 
 
 @pytest.mark.parametrize("compiled, mode", [(False, m) for m in CEILING] + [(True, m) for m in COMPILED_CEILING])

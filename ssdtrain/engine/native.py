@@ -2,21 +2,24 @@
 
 Note [a compiled pack for the common save]
 Pack runs on the thread that launches the model's kernels, once a save (Note [pack's common case
-in one function] in ``hooks.py``). In Python, the save that joins its scope's open group (most of
-a host tier's saves: Note [a group's parts are carved from one region] in ``group.py``) still made
+in one function] in ``hooks.py``). In Python, the save that joins its scope's open group (most of a
+host tier's saves: Note [a group's parts are carved from one region] in ``group.py``) still made
 about 44 calls of its own (the screening's properties, the span, the group's part, its index
-record, the copy clock's and the peak's counts, its :class:`~ssdtrain.engine.ref.Ref`), some
-nine microseconds of a CPU's time; the issue that asked for at most 15 calls a save said where
-Python cannot get there, a compiled fast path, never required. ``cuda_ext/_cpack.c`` is that path:
-``SaveHooks._pack`` and the join case of ``_pack_plain`` written against Python's C API (no torch
-headers: it builds for any torch), built at install as ``ssdtrain._cpack`` where a C compiler is
-(``setup.py``; a failed build leaves pure Python). It asks the same questions in the same order and
-makes the same objects; any save other than a join (a group's first, a small one, one saved
-before, one that needs a safe point, anything the general path screens) goes to the Python function
-that decides it, with nothing changed. Pure Python stays complete and is the reference:
-``tests/test_pack_native.py`` runs both on the same saves and compares the two states object by
-object, and the call count that holds pack's Python (tests/test_pack_calls.py) is taken with the
-compiled path off. ``SSDTRAIN_NATIVE=0`` turns it off for a process.
+record, the copy clock's and the peak's counts, its :class:`~ssdtrain.engine.ref.Ref`), and a save
+of a storage saved before (a hit in the index) about 30; the issue that asked for at most 15 calls
+a save said: where Python cannot get there, a compiled fast path, never required.
+``cuda_ext/_cpack.c`` is that path: ``SaveHooks._pack`` and the join and hit cases of
+``_pack_plain`` written against Python's C API (no torch headers: it builds for any torch), built at
+install as ``ssdtrain._cpack`` where a C compiler is (``setup.py``; a failed build leaves pure
+Python). It asks the same questions in the same order and makes the same objects; any other save (a
+group's first, a small one, a kept one, an index bucket with a dead storage in it, anything the
+general path screens) goes to the Python function that decides it, with nothing changed. Pure
+Python stays complete and is the reference: ``tests/test_pack_native.py`` runs both on the same
+saves and compares the two states object by object, and the call count that holds pack's Python
+(tests/test_pack_calls.py) is taken with the compiled path off. ``SSDTRAIN_NATIVE=0`` turns it off
+for a process. What it bought on the CPU (2026-11-29, pack_cost's GPT, the tier): 29.4 calls a
+save to 9.1; pack x0.95 (the work is the same objects made and the same attributes set, and those
+cost what they cost: C spares the interpreter, not the memory they touch).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 
 __all__ = ["NATIVE_ABI", "load_pack", "native_pack_status"]
 
-NATIVE_ABI = 1
+NATIVE_ABI = 2
 """The build's number that this source expects (``cuda_ext/_cpack.c``'s ``NATIVE_ABI``): a build
 from another source is not used."""
 
@@ -54,6 +57,7 @@ def load_pack(hooks_globals: dict) -> Any:
         return None
     from ssdtrain.device import cuda as device
     from ssdtrain.engine import group, ref, small, views
+    from ssdtrain.engine.cache import State
     from ssdtrain.host import copy_clock, host_pool
 
     _cpack.configure({
@@ -62,7 +66,8 @@ def load_pack(hooks_globals: dict) -> Any:
         "HostExtent": host_pool.HostExtent, "profiler": torch.autograd.profiler, "device": device,
         "hooks": hooks_globals, "join": group.join, "OWED": ref.OWED, "COUNTED": ref.COUNTED,
         "SPAN_ALIGN": views.SPAN_ALIGN, "ALIGN": host_pool.ALIGN, "GROUP_BYTES": group.GROUP_BYTES,
-        "DUE_MARGIN": float(copy_clock.DUE_MARGIN),
+        "DUE_MARGIN": float(copy_clock.DUE_MARGIN), "expired": small.StorageRef._expired,
+        "KEPT": State.KEPT, "QUEUED": State.QUEUED,
     })
     _status = "compiled"
     return _cpack.pack
