@@ -48,7 +48,7 @@ def load_pack(hooks_globals: dict) -> Any:
         _status = "off (SSDTRAIN_NATIVE=0)"
         return None
     try:
-        from ssdtrain import _cpack
+        import ssdtrain._cpack as _cpack
     except ImportError as e:
         _status = f"not built ({e})"
         return None
