@@ -74,5 +74,5 @@ def load_pack(hooks_globals: dict) -> Any:
 
 
 def native_pack_status() -> str:
-    """``"compiled"``, or why pack is pure Python (for ``ssdtrain probe`` and the benchmarks)."""
+    """``"compiled"``, or why pack is pure Python (``ssdtrain selftest`` and pack_cost print it)."""
     return _status
