@@ -445,6 +445,18 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{r['mode']}: all threads +{r['all_threads_beyond_copies_us_per_save']:.1f} us a save above "
                       f"copies' (the same bytes moved by two threads with no engine: "
                       f"+{floor['all_threads_extra_us_per_save']:.1f} above identity)")
+    # Note [the all-threads figure round by round]: it moves with the VM (the copies' own floor by
+    # a third between runs a minute apart, 2026-11-29): each round's, against identity's of the
+    # same round, shows how far one run's median can be trusted.
+    if ref is not None:
+        for r in rows:
+            rounds = runs.get(r["mode"], [])
+            if "all_threads_beyond_copy_us_per_save" in r and len(rounds) == len(runs["identity"]) > 1:
+                each = sorted((m["step_all_threads_ms"] - i["step_all_threads_ms"]) * 1e3 / r["saves"] - r["copy_us_per_save"]
+                              for m, i in zip(rounds, runs["identity"]))
+                r["all_threads_beyond_copy_rounds"] = each
+                print(f"{r['mode']}: all threads beyond the copy, round by round against identity's: "
+                      + " ".join(f"{v:.1f}" for v in each))
     for r in rows:
         if r.get("note"):
             print(f"  {r['mode']}: {r['note']}")
