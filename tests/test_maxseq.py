@@ -86,6 +86,23 @@ def test_a_probe_within_its_budget_runs_every_step_and_counts_what_the_model_hel
     assert r["peak_bytes"] == measured["growth_bytes"] + r["model_bytes"]
 
 
+def test_a_growth_between_two_samples_is_caught_at_stop():
+    """A step shorter than the sampling interval passes the limit between two samples: stop()'s
+    last sample calls over (a tiny probe's warm-up was let through, and stopped a step late)."""
+    sampler = _measure.RssSampler(interval=60)
+    if not sampler.available:
+        pytest.skip("no /proc/self/statm on this system")
+    seen = []
+    block = mmap.mmap(-1, 8 << 20)
+    sampler.start(1 << 20, seen.append)
+    block.write(b"\1" * (8 << 20))
+    growth = sampler.stop()
+    sampler.stop()  # nothing more: called once
+    sampler.close()
+    block.close()
+    assert len(seen) == 1 and seen[0] == growth > 1 << 20
+
+
 def test_the_sampler_calls_over_once_past_its_limit():
     sampler = _measure.RssSampler(interval=0.001)
     if not sampler.available:

@@ -224,6 +224,7 @@ class RssSampler:
         self._thread: threading.Thread | None = None
         self.start_rss = 0
         self.peak_rss = 0
+        self._over: list = [None, None]  # the limit and what to call past it (start)
 
     @property
     def available(self) -> bool:
@@ -234,22 +235,28 @@ class RssSampler:
         return int(raw.split()[1]) * self._page
 
     def start(self, limit: int | None = None, on_over: Callable[[int], None] | None = None) -> None:
-        """Starts sampling. With ``limit``, the sampling thread calls ``on_over(growth)`` once,
-        the first time the growth since now passes ``limit`` bytes."""
+        """Starts sampling. With ``limit``, ``on_over(growth)`` is called once, the first time the
+        growth since now passes ``limit`` bytes: on the sampling thread, or at :meth:`stop` by its
+        last sample (a step shorter than the interval passes it between two samples)."""
         if self._fd is None:
             return
         self.start_rss = self.peak_rss = self.rss()
         self._stop.clear()
-        self._thread = threading.Thread(target=self._run, args=(limit, on_over), name="ssdtrain-bench-rss",
+        self._over = [limit, on_over]  # cleared once called
+        self._thread = threading.Thread(target=self._run, args=(self._over,), name="ssdtrain-bench-rss",
                                         daemon=True)
         self._thread.start()
 
-    def _run(self, limit: int | None, on_over: Callable[[int], None] | None) -> None:
+    def _check(self, over: list) -> None:
+        limit, on_over = over
+        if limit is not None and on_over is not None and self.peak_rss - self.start_rss > limit:
+            over[:] = [None, None]
+            on_over(self.peak_rss - self.start_rss)
+
+    def _run(self, over: list) -> None:
         while not self._stop.wait(self.interval):
             self.peak_rss = max(self.peak_rss, self.rss())
-            if limit is not None and on_over is not None and self.peak_rss - self.start_rss > limit:
-                on_over(self.peak_rss - self.start_rss)
-                limit = None
+            self._check(over)
 
     def stop(self) -> int | None:
         """Stops sampling; returns the peak growth in bytes (``None`` without /proc)."""
@@ -259,6 +266,7 @@ class RssSampler:
         self._thread.join()
         self._thread = None
         self.peak_rss = max(self.peak_rss, self.rss())
+        self._check(self._over)
         return self.peak_rss - self.start_rss
 
     def close(self) -> None:
