@@ -1,8 +1,16 @@
-import sys, itertools, importlib.util
-sys.path.insert(0, "/work/main/benchmarks")
+"""In one process, rounds alternated (``pack_cost.alternate``): Note [unpack's common case without
+calls] and Note [a model's storages are found in one walk] against unpack as of ac0ad3f (read from
+git) and the pinned keys from ``parameters()`` and ``buffers()``. Run from the repository root:
+``python benchmarks/cpu-results/2026-11-29-native/ab_both.py``."""
+import subprocess, sys, tempfile, itertools, importlib.util
+sys.path.insert(0, "benchmarks")
 import pack_cost
 from ssdtrain.engine import unpack, keep
-spec = importlib.util.spec_from_file_location("unpack_old", "unpack_ac0ad3f.py")
+_old_src = tempfile.NamedTemporaryFile("w", suffix=".py", delete=False)
+_old_src.write(subprocess.run(["git", "show", "ac0ad3f:ssdtrain/engine/unpack.py"], capture_output=True, text=True,
+                              check=True).stdout)
+_old_src.close()
+spec = importlib.util.spec_from_file_location("unpack_old", _old_src.name)
 old = importlib.util.module_from_spec(spec); spec.loader.exec_module(old)
 new_u, new_e, new_k = unpack.UnpackHooks._unpack, unpack.UnpackHooks._unpack_entry, keep.model_storage_keys
 def old_k(models):

@@ -1,5 +1,7 @@
+"""In one process, rounds alternated: the compiled pack against pure Python (``hooks._native_pack``
+set to None). Run from the repository root."""
 import sys
-sys.path.insert(0, "/work/main/benchmarks")
+sys.path.insert(0, "benchmarks")
 import pack_cost
 from ssdtrain.engine import hooks
 native = hooks._native_pack
