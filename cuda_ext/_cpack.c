@@ -37,7 +37,7 @@
     X(lo) X(guard) X(guard_weak) X(tainted) X(whole) X(refs) X(unpacked) X(_by_key) X(_counters) \
     X(joined) X(saved_bytes) X(unique_bytes) X(resident_bytes) X(op) X(graveyard) X(part) X(size) \
     X(dtype) X(conj) X(neg) X(gen) X(weak) X(filed) X(ref_weaks) X(is_complex) X(is_conj) X(is_neg) \
-    X(_queue) X(pack_pumps) X(pump) X(_now) X(_op_now) X(join) X(scope) X(_safe_point) X(raise_errors) X(add) X(state)
+    X(_queue) X(pack_pumps) X(pump) X(_now) X(_op_now) X(join) X(_safe_point) X(raise_errors) X(add) X(state)
 
 #define DECLARE(n) static PyObject *S_##n;
 NAMES(DECLARE)
@@ -244,7 +244,7 @@ static PyObject *pack(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     if ((b = PySequence_Contains(x, key)) < 0) goto error;
     if (b) { res = leaf_or_detached(t); goto done; }
 
-    /* -- SaveHooks._pack_plain: only a save that joins its scope's open group ---------------- */
+    /* -- SaveHooks._pack_plain: only a save that joins its scope's open group, or a hit ------- */
     long long storage_bytes;
     CALL0(x, storage, nbytes); LL(storage_bytes, x);
     PyObject *scope = Py_None, *active;

@@ -220,19 +220,8 @@ def parts(t: torch.Tensor) -> tuple[dict[str, Any], Any]:
 def model_storage_keys(models: Iterable[torch.nn.Module]) -> frozenset[int]:
     """The storage keys of ``models``' parameters and buffers (:func:`storage_keys`), in one walk
     of each module tree."""
-    keys: set[int] = set()
-    others = []
-    for m in models:
-        for mod in m.modules():
-            for t in itertools.chain(mod._parameters.values(), mod._buffers.values()):
-                if type(t) is nn.Parameter or type(t) is torch.Tensor:
-                    try:
-                        keys.add(t.untyped_storage()._cdata)
-                    except (RuntimeError, NotImplementedError):
-                        pass  # no real storage (meta): nothing of it is ever written
-                elif t is not None:
-                    others.append(t)  # a subclass: storage_keys's question of it
-    return frozenset(keys) | storage_keys(iter(others)) if others else frozenset(keys)
+    return storage_keys(t for m in models for mod in m.modules()
+                        for t in itertools.chain(mod._parameters.values(), mod._buffers.values()) if t is not None)
 
 
 def storage_keys(tensors: Iterator[torch.Tensor]) -> frozenset[int]:
@@ -240,7 +229,7 @@ def storage_keys(tensors: Iterator[torch.Tensor]) -> frozenset[int]:
     subclasses saved by parts (a DTensor parameter's local shard)."""
     keys = set()
     for t in tensors:
-        if type(t) is not torch.nn.Parameter and type(t) is not torch.Tensor and by_parts(t):
+        if type(t) is not nn.Parameter and type(t) is not torch.Tensor and by_parts(t):  # plain ones: no call
             keys.update(storage_keys(p for p in parts(t)[0].values() if isinstance(p, torch.Tensor)))
             continue
         try:

@@ -422,9 +422,8 @@ class Offloader(hooks.SaveHooks):
         """At an unpack, until the tier has measured a forward copying nothing: remembers the
         allocator's peak (Note [the step's peak, seen in backward]), at the first unpack of a
         backward and every ``PEAK_EVERY``-th after (the peak is a high-water mark: a later look
-        sees an earlier peak; each look costs the allocator's whole statistics)."""
-        if self._tier.clock.reference is not None or self._fwd_dev is None:
-            return  # learned (or no CUDA save yet): nothing to watch, at every unpack from here on
+        sees an earlier peak; each look costs the allocator's whole statistics). Called by unpack
+        only while there is one to watch: a CUDA save seen, the tier's reference not learned."""
         if self._unpacks % PEAK_EVERY == 0:
             self._seen_peak = max(self._seen_peak, measure.allocator_peak(self._fwd_dev))
         self._unpacks += 1

@@ -39,7 +39,7 @@ class UnpackHooks:
                 or cache.lagging or self._failures.pending):
             self._safe_point(raise_errors=False)  # its conditions, asked here without its call
         if self._tier is not None and self._fwd_dev is not None and self._tier.clock.reference is None:
-            self._see_peak()  # its first question asked here (Note [unpack's common case without calls])
+            self._see_peak()  # its question asked here (Note [unpack's common case without calls])
         if _profiler._is_profiler_enabled:  # Note [pack's common case in one function]
             with profiled("ssdtrain.unpack"):
                 return self._unpack_entry(ref)
@@ -48,9 +48,9 @@ class UnpackHooks:
     # Note [unpack's common case without calls]
     # As pack (Note [pack's common case in one function] in ``hooks.py``), unpack runs once a save
     # on the training thread, and its Ref's common case (a part read back and landed, or still in
-    # memory) made some 40 calls: here the first questions of ``_see_peak``, ``check_version``,
-    # ``Scope.used``, ``Reader.order_after`` and ``for_consumer`` are asked inline (a change to
-    # them is a change here), and those functions are called only where they have work to do.
+    # memory) made some 40 calls: here ``_see_peak``'s question is asked (only here), and the
+    # first ones of ``check_version`` and ``Scope.used`` inline (a change to them is a change
+    # here): those functions are called only where they have work to do.
     def _unpack_entry(self, ref: Ref) -> torch.Tensor:
         e = ref.entry
         scope = e.scope
@@ -92,9 +92,8 @@ class UnpackHooks:
             if fut is None:  # read ahead and landed: Reader.finish's work under this same lock
                 out, ext, back = self._reader.finished(e, ref, buf)
         if fut is None:
-            if back is not None:  # Reader.order_after's question
-                self._reader.order_after(ext, back)
-            return out if out.is_cpu and device.modelled_gpu() is None else device.for_consumer(out)
+            self._reader.order_after(ext, back)
+            return device.for_consumer(out)
         return device.for_consumer(self._reader.finish(e, ref, fut, buf))
 
     # Note [reads go on while kept saves are used]
