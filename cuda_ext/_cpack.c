@@ -15,9 +15,10 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <string.h>
+#include <stdint.h>
 
 
-#define NATIVE_ABI 2 /* hooks.py asks for this number: a stale build is not used */
+#define NATIVE_ABI 3 /* hooks.py asks for this number: a stale build is not used */
 
 /* Interned attribute names. */
 #define NAMES(X) \
@@ -611,10 +612,83 @@ done:
 
 static PyObject *abi(PyObject *mod, PyObject *unused) { return PyLong_FromLong(NATIVE_ABI); }
 
+/* Note [a batch of copies releases the GIL once] (``ssdtrain/device/copies.py`` has the whole Note)
+ * The copies of a batch, read into a C array with the GIL held, then made with it released once. */
+typedef struct { unsigned long long dst, src, n; } Copy;
+
+static Copy *read_copies(PyObject *triples, Py_ssize_t *count) {
+    PyObject *seq = PySequence_Fast(triples, "a list of (dst, src, nbytes)");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Copy *c = PyMem_Malloc(sizeof(Copy) * (n ? n : 1));
+    if (c == NULL) { Py_DECREF(seq); PyErr_NoMemory(); return NULL; }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *t = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 3) {
+            PyErr_SetString(PyExc_TypeError, "a copy is a tuple (dst, src, nbytes)");
+            goto error;
+        }
+        c[i].dst = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(t, 0));
+        c[i].src = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(t, 1));
+        c[i].n = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(t, 2));
+        if (PyErr_Occurred()) goto error;
+    }
+    Py_DECREF(seq);
+    *count = n;
+    return c;
+error:
+    PyMem_Free(c);
+    Py_DECREF(seq);
+    return NULL;
+}
+
+/* memcpy_many([(dst, src, nbytes), ...]): host memory to host memory, in order. */
+static PyObject *memcpy_many(PyObject *mod, PyObject *triples) {
+    Py_ssize_t n;
+    Copy *c = read_copies(triples, &n);
+    if (c == NULL) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) memmove((void *)(uintptr_t)c[i].dst, (const void *)(uintptr_t)c[i].src, c[i].n);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(c);
+    Py_RETURN_NONE;
+}
+
+/* call_copies(fn, stream, kind, [(dst, src, nbytes), ...]): fn(dst, src, nbytes, kind, stream) for
+ * each, in order (cudaMemcpyAsync's signature: the CUDA runtime's address, from ctypes), until one
+ * answers an error: (copies made, that error), or (all of them, 0). */
+typedef int (*copy_fn)(void *, const void *, size_t, int, void *);
+
+static PyObject *call_copies(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) { PyErr_SetString(PyExc_TypeError, "call_copies(fn, stream, kind, copies)"); return NULL; }
+    unsigned long long fn = PyLong_AsUnsignedLongLong(args[0]);
+    unsigned long long stream = PyLong_AsUnsignedLongLong(args[1]);
+    long kind = PyLong_AsLong(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    if (!fn) { PyErr_SetString(PyExc_ValueError, "call_copies: no function"); return NULL; }
+    Py_ssize_t n, i;
+    Copy *c = read_copies(args[3], &n);
+    if (c == NULL) return NULL;
+    int err = 0;
+    copy_fn f = (copy_fn)(uintptr_t)fn;
+    Py_BEGIN_ALLOW_THREADS
+    for (i = 0; i < n; i++) {
+        err = f((void *)(uintptr_t)c[i].dst, (const void *)(uintptr_t)c[i].src, (size_t)c[i].n, (int)kind,
+                (void *)(uintptr_t)stream);
+        if (err) break;
+    }
+    Py_END_ALLOW_THREADS
+    PyMem_Free(c);
+    return Py_BuildValue("(ni)", i, err);
+}
+
 static PyMethodDef methods[] = {
     {"pack", (PyCFunction)(void (*)(void))pack, METH_FASTCALL, "SaveHooks._pack, compiled for a save that joins its scope's open group."},
     {"configure", (PyCFunction)configure, METH_O, "The classes and constants pack uses, from hooks.py."},
     {"abi", abi, METH_NOARGS, "The number hooks.py checks before it uses this build."},
+    {"memcpy_many", memcpy_many, METH_O, "Host copies (dst, src, nbytes), in order, the GIL released once."},
+    {"call_copies", (PyCFunction)(void (*)(void))call_copies, METH_FASTCALL,
+     "fn(dst, src, nbytes, kind, stream) for each copy, the GIL released once: (made, error)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -26,12 +26,17 @@ import os
 import stat
 from collections.abc import Iterator
 
-__all__ = ["is_available", "unavailable_reason", "library_path", "register", "cufile_version", "native_code_disabled"]
+__all__ = ["is_available", "unavailable_reason", "library_path", "register", "cufile_version", "native_code_disabled",
+           "NATIVE_ABI", "compiled"]
 
 log = logging.getLogger(__name__)
 
 LIB_NAME = "libssdtrain_cufile.so"
 ABI_VERSION = 2
+
+NATIVE_ABI = 3
+"""The number a build of ``ssdtrain._cpack`` (``cuda_ext/_cpack.c``'s ``NATIVE_ABI``) must answer
+for this source to use it: a build from another source is not used."""
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
@@ -62,6 +67,22 @@ def native_code_disabled() -> bool:
         return False
     raise ValueError(f"SSDTRAIN_NO_EXT={raw!r} is not understood: use 1, true, yes or on to disable ssdtrain's "
                      "native code, or 0, false, no, off or nothing to allow it")
+
+
+def compiled(abi: int = NATIVE_ABI) -> tuple[object | None, str | None]:
+    """``(module, None)``: ``ssdtrain._cpack``, built at install where a C compiler is (``setup.py``)
+    and answering ``abi``; else ``(None, why not)``. ``SSDTRAIN_NATIVE=0`` turns it off for a
+    process: the compiled pack (``engine/native.py``) and the host tier's batched copies
+    (``device/copies.py``) then run their pure-Python twins."""
+    if os.environ.get("SSDTRAIN_NATIVE", "1") == "0":
+        return None, "off (SSDTRAIN_NATIVE=0)"
+    try:
+        import ssdtrain._cpack as module
+    except ImportError as e:
+        return None, f"not built ({e})"
+    if module.abi() != abi:
+        return None, f"stale build (ABI {module.abi()}, this source {abi}): reinstall ssdtrain to rebuild it"
+    return module, None
 
 
 def library_path() -> str:

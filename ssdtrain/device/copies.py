@@ -17,7 +17,7 @@ import torch
 from ssdtrain.device import cuda
 from ssdtrain.device.cuda import Fence, _ModelFence, _on, is_cuda, order, side_stream
 
-__all__ = ["queue_copies", "queue_to_host", "queue_to_device", "OrderOnce"]
+__all__ = ["queue_copies", "queue_to_host", "queue_to_device", "copy_host", "OrderOnce"]
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,39 @@ def queue_copies(dsts: list[torch.Tensor], srcs: list[torch.Tensor], readys: lis
 # once a call failed (its error cleared, a warning), they go through torch as before. Later runs of
 # the same benchmark were noisy (on another H200 host the same day, 22:11 UTC: ctypes +31 us a copy
 # issued, torch +19): the gain per copy is not settled.
+# Note [a batch of copies releases the GIL once]
+# A ctypes call releases the GIL and takes it back, and the copy threads made one a copy (a
+# ``memmove`` on the CPU, a ``cudaMemcpyAsync`` on a GPU): each time the training thread took the
+# GIL meanwhile, the copy thread slept until it was given back, and each of those hand-overs is two
+# context switches. On pack_cost's GPT (CPU, 2026-11-30, ``perf record -e sched:sched_switch``) the
+# copy threads slept 11 times a step that way, the training thread 19 times for the GIL, and the
+# kernel's share of the tier's extra CPU time was 5 us a save. So where the compiled module is
+# built (``ssdtrain._cpack``, Note [a compiled pack for the common save] in ``engine/native.py``) a
+# batch's copies are read into C with the GIL held and made with it released once:
+# ``memcpy_many`` for host memory, ``call_copies`` calling the runtime's ``cudaMemcpyAsync`` by its
+# address for each copy, stopping at the first error (which goes the way a ctypes call's did).
+# Elsewhere, or with ``SSDTRAIN_NATIVE=0``, they go one ctypes call a copy, as before.
+def _compiled() -> Any:
+    """``ssdtrain._cpack`` where built and current, else None (looked for once)."""
+    global _native
+    if _native is None:
+        from ssdtrain import _ext
+        _native = _ext.compiled()[0] or False
+    return _native or None
+
+
+def copy_host(copies: list[tuple[int, int, int]]) -> None:
+    """Copies ``nbytes`` from ``src`` to ``dst`` for each ``(dst, src, nbytes)`` of host memory, in
+    order, on this thread (Note [a batch of copies releases the GIL once])."""
+    native = _compiled()
+    if native is not None:
+        native.memcpy_many(copies)
+        return
+    for dst, src, nbytes in copies:
+        ctypes.memmove(dst, src, nbytes)
+
+
+_native: Any = None  # ssdtrain._cpack once looked for; False: none (pure Python)
 _FENCE = Fence  # what a ready must be to be waited for on the device (a name the tests' stand-ins replace)
 _DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)
 _runtime: Any = None  # the ctypes library once looked for; False: none, or no longer used
@@ -116,6 +149,7 @@ def _load_cudart() -> Any:
         lib.cudaStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
         lib.cudaGetErrorString.argtypes = [ctypes.c_int]
         lib.cudaGetErrorString.restype = ctypes.c_char_p
+        lib.memcpy_async_address = _address(lib.cudaMemcpyAsync)
         return lib
     except (OSError, AttributeError, ValueError) as e:
         log.info("ssdtrain: the CUDA runtime cannot be called directly (%s); copies go through torch", e)
@@ -155,6 +189,15 @@ def queue_to_device(dsts: list[torch.Tensor], addresses: list[int], readys: list
     return fence
 
 
+def _address(fn: Any) -> int | None:
+    """A ctypes function's address, for the compiled loop (Note [a batch of copies releases the
+    GIL once]); None for anything else (the ctypes loop calls it)."""
+    try:
+        return ctypes.cast(fn, ctypes.c_void_p).value
+    except ctypes.ArgumentError:
+        return None
+
+
 def _queue_raw(gpu: torch.device, copies: list[tuple[int, int, int]], readys: list) -> Fence | None:
     """Queues ``cudaMemcpyAsync(dst, src, nbytes)`` for each ``(dst, src, nbytes)`` on this I/O
     thread's side stream of ``gpu``, after each fence of ``readys``; a :class:`Fence` after all
@@ -177,8 +220,13 @@ def _queue_raw(gpu: torch.device, copies: list[tuple[int, int, int]], readys: li
                 if ready is not None and ready.event is not last:  # neighbours may share one fence
                     last = ready.event
                     _check(rt, rt.cudaStreamWaitEvent(raw, ready.event.cuda_event, 0), "cudaStreamWaitEvent")
-            for dst, src, nbytes in copies:
-                _check(rt, rt.cudaMemcpyAsync(dst, src, nbytes, _DEFAULT, raw), "cudaMemcpyAsync")
+            native, address = _compiled(), getattr(rt, "memcpy_async_address", None)
+            if native is not None and address:  # Note [a batch of copies releases the GIL once]
+                _, err = native.call_copies(address, raw or 0, _DEFAULT, copies)
+                _check(rt, err, "cudaMemcpyAsync")
+            else:
+                for dst, src, nbytes in copies:
+                    _check(rt, rt.cudaMemcpyAsync(dst, src, nbytes, _DEFAULT, raw), "cudaMemcpyAsync")
         except RuntimeError as e:
             _runtime = False
             log.warning("ssdtrain: %s; the host tier's copies go through torch from now on", e)

@@ -24,14 +24,15 @@ cost what they cost: C spares the interpreter, not the memory they touch).
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
+from ssdtrain import _ext
+
 __all__ = ["NATIVE_ABI", "load_pack", "native_pack_status"]
 
-NATIVE_ABI = 2
+NATIVE_ABI = _ext.NATIVE_ABI
 """The build's number that this source expects (``cuda_ext/_cpack.c``'s ``NATIVE_ABI``): a build
 from another source is not used."""
 
@@ -44,16 +45,9 @@ def load_pack(hooks_globals: dict) -> Any:
     where it is off, not built, or built from another source (Note [a compiled pack for the common
     save])."""
     global _status
-    if os.environ.get("SSDTRAIN_NATIVE", "1") == "0":
-        _status = "off (SSDTRAIN_NATIVE=0)"
-        return None
-    try:
-        import ssdtrain._cpack as _cpack
-    except ImportError as e:
-        _status = f"not built ({e})"
-        return None
-    if _cpack.abi() != NATIVE_ABI:
-        _status = f"stale build (ABI {_cpack.abi()}, this source {NATIVE_ABI}): reinstall ssdtrain to rebuild it"
+    _cpack, why = _ext.compiled(NATIVE_ABI)
+    if _cpack is None:
+        _status = why
         return None
     from ssdtrain.device import cuda as device
     from ssdtrain.engine import group, ref, small, views

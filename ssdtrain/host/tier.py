@@ -19,7 +19,6 @@ Three pieces, each usable without a GPU (the tests drive them with made-up numbe
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
 import time
@@ -261,10 +260,12 @@ class TieredBackend(Backend):
         its fence is])."""
         for part in _by_device(batch):
             if not device.is_cuda(part[0][1]):  # the tests' way through the tier: host to host, at once
-                for ext, src, ready in part:
+                for _, _, ready in part:
                     if ready is not None:
                         ready()
-                    ctypes.memmove(self.pool.address(ext), src.data_ptr(), ext.nbytes)
+                # Note [a batch of copies releases the GIL once]
+                copies.copy_host([(self.pool.address(ext), src.data_ptr(), ext.nbytes) for ext, src, _ in part])
+                for ext, _, _ in part:
                     ext.landed = None
                 continue
             for chunk in _fenced(part):
@@ -309,10 +310,10 @@ class TieredBackend(Backend):
                 for ext, _, _ in part:
                     ext.back = fence
             else:
-                for ext, dst, ready in part:
+                for _, _, ready in part:
                     if ready is not None:
                         ready()
-                    ctypes.memmove(dst.data_ptr(), self.pool.address(ext), ext.nbytes)
+                copies.copy_host([(dst.data_ptr(), self.pool.address(ext), ext.nbytes) for ext, dst, _ in part])
         with self._lock:
             self.read += sum(ext.nbytes for ext, _, _ in batch)
 
