@@ -60,6 +60,21 @@ static inline PyObject *own(Own *w, PyObject *x) {
 }
 static void drop(Own *w) { while (w->n) { PyObject *x = w->o[--w->n]; Py_DECREF(x); } }
 
+/* Note [a save's leaves are not the collector's] (``ssdtrain/engine/native.py`` has the whole Note)
+ * Objects that hold no reference back to anything that could reach them: out of the cyclic
+ * collector's lists, freed by their count as before. */
+static inline void untrack(PyObject *o) {
+    if (PyObject_GC_IsTracked(o)) PyObject_GC_UnTrack(o);
+}
+
+/* A shape or a stride: untracked where it holds plain ints only (a symbolic one holds objects). */
+static void untrack_ints(PyObject *o) {
+    if (!PyTuple_Check(o)) return;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(o); i++)
+        if (!PyLong_CheckExact(PyTuple_GET_ITEM(o, i))) return;
+    untrack(o);
+}
+
 #define GET(var, obj, name) do { if (!((var) = own(&w, PyObject_GetAttr((obj), S_##name)))) goto error; } while (0)
 #define CALL0(var, obj, name) do { if (!((var) = own(&w, PyObject_CallMethodNoArgs((obj), S_##name)))) goto error; } while (0)
 #define TRUTH(var, obj) do { if (((var) = PyObject_IsTrue(obj)) < 0) goto error; } while (0)
@@ -160,6 +175,7 @@ static PyObject *make_ref(PyObject *entry, PyObject *part, PyObject *t, PyObject
     GET(x, part, lo); LL(plo, x);
     GET(x, part, nbytes); LL(pn, x);
     if (!(r = bare(K.Ref))) goto error;
+    untrack(r); untrack_ints(shape); untrack_ints(stride);
     SET(r, graveyard, Py_None);
     SET(r, entry, entry); SET(r, part, part);
     SET(r, size, shape); SET(r, stride, stride);
@@ -172,6 +188,7 @@ static PyObject *make_ref(PyObject *entry, PyObject *part, PyObject *t, PyObject
     if (part != entry) { GET(x, part, refs); LL(refs, x); SETLL(part, refs, refs + 1); }
     SETLL(r, gen, -1);
     if (!(wk = own(&w, PyObject_CallOneArg(K.RefWeak, r)))) goto error;
+    untrack(wk);
     SET(r, weak, wk);
     SET(wk, filed, K.counted);
     GET(x, entry, ref_weaks); if (PyList_Append(x, wk) < 0) goto error;
@@ -505,6 +522,7 @@ static PyObject *pack(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     PyObject *detached, *tweak, *sweak_cdata;
     CALL0(detached, t, detach);
     if (!(tweak = own(&w, PyWeakref_NewRef(t, NULL)))) goto error;
+    untrack(tweak);
     CALL0(sweak_cdata, storage, _weak_ref);
 
     /* -- it joins: the changes, in the Python path's order ---------------------------------- */
@@ -518,6 +536,7 @@ static PyObject *pack(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     /* HostExtent(region.slab, region.offset + at, 0, n) */
     PyObject *ext, *roff;
     if (!(ext = own(&w, bare(K.HostExtent)))) goto error;
+    untrack(ext);
     GET(x, region, slab); SET(ext, slab, x);
     GET(roff, region, offset);
     long long roff_;
@@ -532,6 +551,7 @@ static PyObject *pack(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     /* Group.add: its StorageRef and Part */
     PyObject *sref, *p;
     if (!(sref = own(&w, bare(K.StorageRef)))) goto error;
+    untrack(sref);
     SET(sref, cdata, sweak_cdata);
     if (!(p = own(&w, bare(K.Part)))) goto error;
     SET(p, entry, g);
@@ -573,6 +593,7 @@ static PyObject *pack(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
         GET(y, r, size); GET(z, r, dtype);
         pair = own(&w, PyTuple_Pack(2, y, z));
         if (pair == NULL) goto error;
+        if (!PyObject_GC_IsTracked(y)) untrack(pair);  /* (size, dtype): its size untracked */
         SET(p, whole, pair);
     }
     lock_held = 0;

@@ -21,6 +21,7 @@ from ssdtrain.bench.models import GPT, GPTConfig
 from ssdtrain.engine import hooks, native
 from ssdtrain.engine import offloader as offloader_mod
 from ssdtrain.engine.ref import Ref
+from ssdtrain.host import tier
 
 from _equiv import assert_same, step
 
@@ -80,10 +81,26 @@ def _record(off, t, out):
     return tuple(rec)
 
 
+def _in_program_order(monkeypatch):
+    """The tier's copy threads finish each batch before its hand-over returns, as on the modelled
+    GPU (Note [the modelled tier runs in a fixed order] in ``host/tier.py``): whether a save finds
+    its storage's entry still queued (a hit) or handed over (a new entry) is then the program's,
+    not the scheduler's, and the two paths' records compare save by save."""
+    submit = tier._Batches.submit
+
+    def waited(self, requests):
+        fut = submit(self, requests)
+        fut.exception()
+        return fut
+
+    monkeypatch.setattr(tier._Batches, "submit", waited)
+
+
 def _run(model, loss_fn, tmp_path, compiled, monkeypatch):
     """Three steps with the compiled pack or pure Python; each save's record in the last; the
     gradients of each step; how many saves pack's Python decided (``_pack_plain``)."""
     monkeypatch.setattr(hooks, "_native_pack", COMPILED if compiled else None)
+    _in_program_order(monkeypatch)
     off = ssdtrain.Offloader(model, path=str(tmp_path / str(compiled)), backend="memory", min_bytes=0)
     records, grads = [], []
     plain = off._pack_plain
@@ -155,6 +172,7 @@ def test_a_join_the_copy_budget_refuses_goes_to_pure_python(tmp_path, monkeypatc
     model = GPT(GPTConfig(vocab=128, seq=32, layers=2, hidden=32, heads=4))
     tokens = torch.randint(0, 128, (2, 32))
     seen = []
+    _in_program_order(monkeypatch)
     for compiled in (False, True):
         monkeypatch.setattr(hooks, "_native_pack", COMPILED if compiled else None)
         off = ssdtrain.Offloader(model, path=str(tmp_path / str(compiled)), backend="memory", min_bytes=0)
@@ -194,3 +212,56 @@ def test_the_compiled_pack_is_off_when_asked_and_when_stale():
     finally:
         native.NATIVE_ABI = old
         assert native.load_pack(vars(hooks)) is not None and native.native_pack_status() == "compiled"
+
+
+@needs_build
+def test_a_joined_saves_leaves_are_not_the_collectors_and_still_die(tmp_path, monkeypatch):
+    """Note [a save's leaves are not the collector's]: the compiled pack's Refs, their weak
+    references, shapes and strides, host extents and storage handles are out of the cyclic
+    collector's lists, and with the collector off every Ref of a step is still freed once
+    backward used it (nothing of ours waits for a collection)."""
+    import gc
+    import weakref
+
+    monkeypatch.setattr(offloader_mod, "_TIER_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(hooks, "_native_pack", COMPILED)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=128, seq=32, layers=3, hidden=32, heads=4))
+    tokens = torch.randint(0, 128, (2, 32))
+    off = ssdtrain.Offloader(model, path=str(tmp_path), backend="memory", min_bytes=0)
+    pack, made = off._pack, []
+
+    def spy(_self, t):
+        out = pack(t)
+        if isinstance(out, Ref):
+            made.append(out)
+        return out
+
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        step(model, lambda: model(tokens, tokens), off)  # warm: groups open, the pool sized
+        off.wait()
+        off._pack = types.MethodType(spy, off)
+        model.zero_grad(set_to_none=True)
+        with off:
+            loss = model(tokens, tokens)
+        joined = [r for r in made if r.part is not r.entry and r.part.index > 0]
+        compiled = [r for r in joined if not gc.is_tracked(r)]  # the others went to Python (a safe point first, ...)
+        assert len(joined) > len(made) // 4 and len(compiled) >= 3 * len(joined) // 4
+        for r in compiled:
+            leaves = dict(ref=r, weak=r.weak, size=r.size, stride=r.stride, extent=r.part.extent,
+                          storage_ref=r.part.storage_ref, guard_weak=r.part.guard_weak)
+            assert [k for k, o in leaves.items() if gc.is_tracked(o)] == []
+            assert r.part.whole is None or not gc.is_tracked(r.part.whole)
+            assert gc.is_tracked(r.part) and gc.is_tracked(r.entry)  # in cycles until released: the collector's
+        weaks = [weakref.ref(r) for r in made]
+        del made[:], joined, compiled, r, leaves
+        loss.backward()
+        del loss
+        off.wait()
+        assert [w for w in weaks if w() is not None] == []
+    finally:
+        if was:
+            gc.enable()
+        off.close()

@@ -20,6 +20,20 @@ saves and compares the two states object by object, and the call count that hold
 for a process. What it bought on the CPU (2026-11-29, pack_cost's GPT, the tier): 29.4 calls a
 save to 9.1; pack x0.95 (the work is the same objects made and the same attributes set, and those
 cost what they cost: C spares the interpreter, not the memory they touch).
+
+Note [a save's leaves are not the collector's]
+A joined save made some ten objects that the cyclic collector tracks and that live from pack to
+unpack: each young collection found them alive and moved them on, and they counted towards the
+process's full collections (tens of milliseconds each with torch imported; Note [a freed entry is
+in no cycle] in ``cache.py``). Most of them cannot be in a cycle whatever happens: the save's
+:class:`~ssdtrain.engine.ref.Ref` (what reaches it back is weak), its ``_RefWeak``, its shape and
+stride (plain ints), its part's host extent, storage handle, weak reference to the tensor, and
+``(size, dtype)``. The compiled pack takes those out of the collector's lists as it makes them
+(``untrack`` in ``_cpack.c``); their counts free them as before. The part and its group (a cycle
+until ``Cache.release`` breaks it) stay the collector's, and so does everything pure Python makes
+(it has no way to untrack). tests/test_pack_native.py checks both halves: untracked, and freed
+with the collector off. On pack_cost's GPT (CPU, 2026-11-30, separate processes of 300 steps):
+the collector's time 1.20 -> 0.81 ms a step (1.3 us a save).
 """
 
 from __future__ import annotations
