@@ -13,6 +13,9 @@ import torch
 from ssdtrain import _ext
 from ssdtrain.device import copies
 
+from test_tier import _Fence, _Stream
+from test_tier import _Runtime as _TierRuntime
+
 NATIVE, WHY = _ext.compiled()
 needs_build = pytest.mark.skipif(NATIVE is None, reason=f"the compiled module: {WHY}")
 
@@ -80,13 +83,13 @@ _COPY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.
                          ctypes.c_void_p)
 
 
-class _Runtime:
-    """The CUDA runtime's calls the tier makes, with ``cudaMemcpyAsync`` a C function (its address
-    in ``memcpy_async_address``, as ``copies._load_cudart`` sets it) that records each call and
-    answers ``fail`` from the ``fail_at``-th on."""
+class _Runtime(_TierRuntime):
+    """test_tier's stand-in runtime, with ``cudaMemcpyAsync`` a C function too (its address in
+    ``memcpy_async_address``, as ``copies._load_cudart`` sets it) that records each call and
+    answers ``fail`` from the call after the ``fail_at``-th on."""
 
     def __init__(self, fail_at=None, fail=700):
-        self.calls = []
+        super().__init__([])
 
         def memcpy(dst, src, n, kind, stream):
             self.calls.append(("copy", dst, src, n, kind, stream))
@@ -95,31 +98,6 @@ class _Runtime:
         self._fn = _COPY(memcpy)  # kept alive with the runtime
         self.memcpy_async_address = ctypes.cast(self._fn, ctypes.c_void_p).value
         self.cudaMemcpyAsync = memcpy
-
-    def cudaStreamWaitEvent(self, stream, event, flags):
-        self.calls.append(("wait", stream, event, flags))
-        return 0
-
-    def cudaGetLastError(self):
-        self.calls.append(("clear",))
-        return 0
-
-    def cudaGetErrorString(self, err):
-        return b"an illegal memory access was encountered"
-
-
-class _Stream:
-    cuda_stream = 0x5000
-
-
-class _Event:
-    def __init__(self, handle):
-        self.cuda_event = handle
-
-
-class _Fence:
-    def __init__(self, handle, stream=None):
-        self.event, self.stream = _Event(handle), stream
 
 
 def _stand_ins(monkeypatch, rt, native):

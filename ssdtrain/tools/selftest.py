@@ -316,7 +316,10 @@ def run(path: str, *, report: Callable[[Check], None] = lambda c: None, overlap_
             add(_timed(f"exact[{backend}, cpu, float32]", lambda b=backend: exact_gradients(b, work)))
         from ssdtrain.engine import native  # which pack ran those: Note [a compiled pack for the common save]
 
-        add(Check("pack", "PASS", f"pack hook: {native.native_pack_status()}"))
+        from ssdtrain.device import copies  # Note [a batch of copies releases the GIL once]
+
+        batched = "a batch with the GIL released once" if copies._compiled() else "one ctypes call a copy"
+        add(Check("pack", "PASS", f"pack hook: {native.native_pack_status()}; tier copies: {batched}"))
         kvikio_why = _kvikio_available()
         backends: list[tuple[str, str, Any]] = [("posix", "posix", None), ("memory", "memory", None)]
         if kvikio_why is None:
