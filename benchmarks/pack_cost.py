@@ -42,6 +42,7 @@ import cProfile
 import ctypes
 import json
 import pstats
+import resource
 import statistics
 import sys
 import tempfile
@@ -270,7 +271,10 @@ def measure(mode: str, model, tokens, steps: int, path: str, setup=None) -> dict
         def ctx():
             return off
     fwd, bwd, step_all = [], [], []
+    slept = 0
     for i in range(steps + 4):
+        if i in (3, steps + 3):  # Note [a wake-up is dear here]: the timed steps' sleeps
+            slept = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - slept
         if i == 3:
             for k in spent:
                 spent[k] = 0
@@ -294,7 +298,7 @@ def measure(mode: str, model, tokens, steps: int, path: str, setup=None) -> dict
             step_all.append(p2 - p)
     out = {"mode": mode, "note": note, "forward_ms": statistics.median(fwd) * 1e3,
            "backward_ms": statistics.median(bwd) * 1e3 if backward else None,
-           "step_all_threads_ms": statistics.median(step_all) * 1e3}
+           "step_all_threads_ms": statistics.median(step_all) * 1e3, "sleeps_per_step": slept / steps}
     n = max(spent["_pack_n"], 1)
     out["saves"] = spent["_pack_n"] / steps
     out["pack_us"] = spent["_pack"] / n * 1e6
@@ -457,6 +461,13 @@ def main(argv: list[str] | None = None) -> int:
                 r["all_threads_beyond_copy_rounds"] = each
                 print(f"{r['mode']}: all threads beyond the copy, round by round against identity's: "
                       + " ".join(f"{v:.1f}" for v in each))
+    # Note [a wake-up is dear here]
+    # A thread that sleeps (for work, a lock, the GIL) and is woken costs this VM's CPU 10-30 us in
+    # the kernel, both sides counted (2026-11-30: the copies mode's mover, which polls every 0.2 ms,
+    # spent 3 ms a step beyond its memmoves in slow phases): the all-threads figure moves with what a
+    # wake-up costs at the time, times how often the threads sleep. Printed to read it by.
+    print("sleeps a step (voluntary context switches, all threads): "
+          + ", ".join(f"{r['mode']} {r['sleeps_per_step']:.0f}" for r in rows if "sleeps_per_step" in r))
     for r in rows:
         if r.get("note"):
             print(f"  {r['mode']}: {r['note']}")

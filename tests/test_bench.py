@@ -571,8 +571,10 @@ def test_pack_cost_benchmark_smoke(tmp_path, capsys):
     before = offloader_mod._TIER_DEVICES
     assert module.main(["--layers", "2", "--steps", "2", "--rounds", "1", "--json", str(out)]) == 0
     assert offloader_mod._TIER_DEVICES == before  # the tier on CPU tensors only while it ran
-    assert "fwd +us/save" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "fwd +us/save" in printed and "sleeps a step" in printed
     rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["identity"]["sleeps_per_step"] >= 0 and rows["tier"]["sleeps_per_step"] > 0  # its copy threads wake
     assert rows["tier"]["host_copied_bytes"] > 0 and rows["tier"]["written_bytes"] > 0
     assert rows["drive"]["host_copied_bytes"] == 0 and rows["drive"]["written_bytes"] > 0
     assert rows["kept"]["written_bytes"] == 0 and rows["kept"]["kept_bytes"] > 0
