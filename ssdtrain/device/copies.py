@@ -85,6 +85,12 @@ def queue_copies(dsts: list[torch.Tensor], srcs: list[torch.Tensor], readys: lis
 # once a call failed (its error cleared, a warning), they go through torch as before. Later runs of
 # the same benchmark were noisy (on another H200 host the same day, 22:11 UTC: ctypes +31 us a copy
 # issued, torch +19): the gain per copy is not settled.
+_FENCE = Fence  # what a ready must be to be waited for on the device (a name the tests' stand-ins replace)
+_DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)
+_runtime: Any = None  # the ctypes library once looked for; False: none, or no longer used
+_native: Any = None  # ssdtrain._cpack once looked for; False: none (pure Python)
+
+
 # Note [a batch of copies releases the GIL once]
 # A ctypes call releases the GIL and takes it back, and the copy threads made one a copy (a
 # ``memmove`` on the CPU, a ``cudaMemcpyAsync`` on a GPU): each time the training thread took the
@@ -115,12 +121,6 @@ def copy_host(copies: list[tuple[int, int, int]]) -> None:
         return
     for dst, src, nbytes in copies:
         ctypes.memmove(dst, src, nbytes)
-
-
-_native: Any = None  # ssdtrain._cpack once looked for; False: none (pure Python)
-_FENCE = Fence  # what a ready must be to be waited for on the device (a name the tests' stand-ins replace)
-_DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)
-_runtime: Any = None  # the ctypes library once looked for; False: none, or no longer used
 
 
 def _cudart() -> Any:
