@@ -18,7 +18,7 @@
 #include <stdint.h>
 
 
-#define NATIVE_ABI 3 /* hooks.py asks for this number: a stale build is not used */
+#define NATIVE_ABI 4 /* hooks.py asks for this number: a stale build is not used */
 
 /* Interned attribute names. */
 #define NAMES(X) \
@@ -675,32 +675,63 @@ static PyObject *memcpy_many(PyObject *mod, PyObject *triples) {
     Py_RETURN_NONE;
 }
 
-/* call_copies(fn, stream, kind, [(dst, src, nbytes), ...]): fn(dst, src, nbytes, kind, stream) for
- * each, in order (cudaMemcpyAsync's signature: the CUDA runtime's address, from ctypes), until one
- * answers an error: (copies made, that error), or (all of them, 0). */
+/* call_copies(fn, stream, kind, [(dst, src, nbytes), ...][, wait, [event, ...]]): first
+ * wait(stream, event, 0) for each event (cudaStreamWaitEvent's signature), then fn(dst, src, nbytes,
+ * kind, stream) for each copy (cudaMemcpyAsync's), in order, the CUDA runtime's addresses from
+ * ctypes, until one answers an error: (events waited for, copies made, that error), or (all, all, 0).
+ * Note [a batch's waits release the GIL with its copies] (``ssdtrain/device/copies.py``). */
 typedef int (*copy_fn)(void *, const void *, size_t, int, void *);
+typedef int (*wait_fn)(void *, void *, unsigned int);
 
 static PyObject *call_copies(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4) { PyErr_SetString(PyExc_TypeError, "call_copies(fn, stream, kind, copies)"); return NULL; }
+    if (nargs != 4 && nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "call_copies(fn, stream, kind, copies[, wait, events])");
+        return NULL;
+    }
     unsigned long long fn = PyLong_AsUnsignedLongLong(args[0]);
     unsigned long long stream = PyLong_AsUnsignedLongLong(args[1]);
     long kind = PyLong_AsLong(args[2]);
+    unsigned long long wait = nargs == 6 ? PyLong_AsUnsignedLongLong(args[4]) : 0;
     if (PyErr_Occurred()) return NULL;
     if (!fn) { PyErr_SetString(PyExc_ValueError, "call_copies: no function"); return NULL; }
-    Py_ssize_t n, i;
+    Py_ssize_t ne = 0, n, i = 0, w = 0;
+    unsigned long long *ev = NULL;
+    if (nargs == 6) {
+        PyObject *seq = PySequence_Fast(args[5], "a list of events");
+        if (seq == NULL) return NULL;
+        ne = PySequence_Fast_GET_SIZE(seq);
+        if (ne && !wait) {
+            Py_DECREF(seq);
+            PyErr_SetString(PyExc_ValueError, "call_copies: events to wait for and no function to wait with");
+            return NULL;
+        }
+        ev = PyMem_Malloc(sizeof(*ev) * (ne ? ne : 1));
+        if (ev == NULL) { Py_DECREF(seq); return PyErr_NoMemory(); }
+        for (Py_ssize_t k = 0; k < ne; k++) ev[k] = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(seq, k));
+        Py_DECREF(seq);
+        if (PyErr_Occurred()) { PyMem_Free(ev); return NULL; }
+    }
     Copy *c = read_copies(args[3], &n);
-    if (c == NULL) return NULL;
+    if (c == NULL) { PyMem_Free(ev); return NULL; }
     int err = 0;
     copy_fn f = (copy_fn)(uintptr_t)fn;
+    wait_fn g = (wait_fn)(uintptr_t)wait;
     Py_BEGIN_ALLOW_THREADS
-    for (i = 0; i < n; i++) {
-        err = f((void *)(uintptr_t)c[i].dst, (const void *)(uintptr_t)c[i].src, (size_t)c[i].n, (int)kind,
-                (void *)(uintptr_t)stream);
+    for (w = 0; w < ne; w++) {
+        err = g((void *)(uintptr_t)stream, (void *)(uintptr_t)ev[w], 0);
         if (err) break;
+    }
+    if (!err) {
+        for (i = 0; i < n; i++) {
+            err = f((void *)(uintptr_t)c[i].dst, (const void *)(uintptr_t)c[i].src, (size_t)c[i].n, (int)kind,
+                    (void *)(uintptr_t)stream);
+            if (err) break;
+        }
     }
     Py_END_ALLOW_THREADS
     PyMem_Free(c);
-    return Py_BuildValue("(ni)", i, err);
+    PyMem_Free(ev);
+    return Py_BuildValue("(nni)", w, i, err);
 }
 
 static PyMethodDef methods[] = {
@@ -709,7 +740,8 @@ static PyMethodDef methods[] = {
     {"abi", abi, METH_NOARGS, "The number hooks.py checks before it uses this build."},
     {"memcpy_many", memcpy_many, METH_O, "Host copies (dst, src, nbytes), in order, the GIL released once."},
     {"call_copies", (PyCFunction)(void (*)(void))call_copies, METH_FASTCALL,
-     "fn(dst, src, nbytes, kind, stream) for each copy, the GIL released once: (made, error)."},
+     "wait(stream, event, 0) for each event, then fn(dst, src, nbytes, kind, stream) for each copy, the GIL "
+     "released once: (waited, made, error)."},
     {NULL, NULL, 0, NULL},
 };
 

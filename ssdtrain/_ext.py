@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 LIB_NAME = "libssdtrain_cufile.so"
 ABI_VERSION = 2
 
-NATIVE_ABI = 3
+NATIVE_ABI = 4
 """The number a build of ``ssdtrain._cpack`` (``cuda_ext/_cpack.c``'s ``NATIVE_ABI``) must answer
 for this source to use it: a build from another source is not used."""
 

@@ -83,21 +83,33 @@ _COPY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.
                          ctypes.c_void_p)
 
 
+_WAIT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
+
+
 class _Runtime(_TierRuntime):
-    """test_tier's stand-in runtime, with ``cudaMemcpyAsync`` a C function too (its address in
-    ``memcpy_async_address``, as ``copies._load_cudart`` sets it) that records each call and
-    answers ``fail`` from the call after the ``fail_at``-th on."""
+    """test_tier's stand-in runtime, with ``cudaMemcpyAsync`` and ``cudaStreamWaitEvent`` C
+    functions too (their addresses in ``memcpy_async_address`` and ``wait_event_address``, as
+    ``copies._load_cudart`` sets them) that record each call and answer ``fail`` from the call
+    after the ``fail_at``-th on (waits and copies counted together)."""
 
     def __init__(self, fail_at=None, fail=700):
         super().__init__([])
 
-        def memcpy(dst, src, n, kind, stream):
-            self.calls.append(("copy", dst, src, n, kind, stream))
+        def answer():
             return fail if fail_at is not None and len(self.calls) > fail_at else 0
 
-        self._fn = _COPY(memcpy)  # kept alive with the runtime
+        def memcpy(dst, src, n, kind, stream):
+            self.calls.append(("copy", dst, src, n, kind, stream))
+            return answer()
+
+        def wait(stream, event, flags):
+            self.calls.append(("wait", stream, event, flags))
+            return answer()
+
+        self._fn, self._wait = _COPY(memcpy), _WAIT(wait)  # kept alive with the runtime
         self.memcpy_async_address = ctypes.cast(self._fn, ctypes.c_void_p).value
-        self.cudaMemcpyAsync = memcpy
+        self.wait_event_address = ctypes.cast(self._wait, ctypes.c_void_p).value
+        self.cudaMemcpyAsync, self.cudaStreamWaitEvent = memcpy, wait
 
 
 def _stand_ins(monkeypatch, rt, native):
@@ -142,13 +154,46 @@ def test_the_compiled_loop_stops_at_the_first_error_and_falls_back(monkeypatch, 
 def test_call_copies_answers_how_many_it_made():
     rt = _Runtime(fail_at=2, fail=1)
     jobs = [(0x10 * i, 0x20 * i, i) for i in range(1, 6)]
-    assert NATIVE.call_copies(rt.memcpy_async_address, 0x77, 4, jobs) == (2, 1)
+    assert NATIVE.call_copies(rt.memcpy_async_address, 0x77, 4, jobs) == (0, 2, 1)
     assert [c[1:] for c in rt.calls] == [(0x10, 0x20, 1, 4, 0x77), (0x20, 0x40, 2, 4, 0x77), (0x30, 0x60, 3, 4, 0x77)]
     rt = _Runtime()
-    assert NATIVE.call_copies(rt.memcpy_async_address, 0, 4, jobs) == (5, 0)
+    assert NATIVE.call_copies(rt.memcpy_async_address, 0, 4, jobs) == (0, 5, 0)
+    rt = _Runtime()  # waits first, in order, then the copies
+    assert NATIVE.call_copies(rt.memcpy_async_address, 0x77, 4, jobs[:2], rt.wait_event_address, [0xE1, 0xE2]) == (2, 2, 0)
+    assert rt.calls == [("wait", 0x77, 0xE1, 0), ("wait", 0x77, 0xE2, 0), ("copy", 0x10, 0x20, 1, 4, 0x77),
+                        ("copy", 0x20, 0x40, 2, 4, 0x77)]
+    rt = _Runtime(fail_at=1)  # the second wait fails: no copy is made
+    assert NATIVE.call_copies(rt.memcpy_async_address, 0x77, 4, jobs, rt.wait_event_address, [0xE1, 0xE2, 0xE3]) == (1, 0, 700)
+    assert [c[0] for c in rt.calls] == ["wait", "wait"]
+
+
+@needs_build
+def test_waits_without_a_function_to_wait_with_are_refused():
+    with pytest.raises(ValueError, match="no function to wait with"):
+        NATIVE.call_copies(1, 0, 4, [], 0, [0xE1])
+    with pytest.raises(TypeError, match="events"):
+        NATIVE.call_copies(1, 0, 4, [], 1, 5)
+    with pytest.raises(TypeError):
+        NATIVE.call_copies(1, 0, 4, [], 1)
+
+
+@needs_build
+def test_a_failed_wait_stops_the_batch_and_falls_back(monkeypatch, caplog):
+    """Note [a batch's waits release the GIL with its copies]: the second fence's wait fails in the
+    compiled call: no copy is made, the error is cleared and said as the wait's, None is answered
+    (torch queues the batch, its waits included) and the runtime is not used again."""
+    rt = _Runtime(fail_at=1)
+    _stand_ins(monkeypatch, rt, NATIVE)
+    srcs = [torch.zeros(n, dtype=torch.uint8) for n in (100, 200)]
+    with caplog.at_level("WARNING", logger="ssdtrain.device.copies"):
+        assert copies.queue_to_host([0x10000, 0x20000], srcs, [_Fence(0xA1), _Fence(0xA2)]) is None
+    assert [c[0] for c in rt.calls] == ["wait", "wait", "clear"]
+    assert "cudaStreamWaitEvent failed" in caplog.text and "(700)" in caplog.text
+    assert copies._cudart() is None
 
 
 def test_the_runtime_function_is_called_by_its_address_only_where_it_has_one():
     rt = _Runtime()
     assert copies._address(rt._fn) == rt.memcpy_async_address and rt.memcpy_async_address
+    assert copies._address(rt._wait) == rt.wait_event_address and rt.wait_event_address
     assert copies._address(lambda *a: 0) is None  # a stand-in: the ctypes loop calls it

@@ -103,6 +103,16 @@ _native: Any = None  # ssdtrain._cpack once looked for; False: none (pure Python
 # ``memcpy_many`` for host memory, ``call_copies`` calling the runtime's ``cudaMemcpyAsync`` by its
 # address for each copy, stopping at the first error (which goes the way a ctypes call's did).
 # Elsewhere, or with ``SSDTRAIN_NATIVE=0``, they go one ctypes call a copy, as before.
+# Note [a batch's waits release the GIL with its copies]
+# Before its copies, a batch makes the side stream wait for each producer's fence (the copies in)
+# or for the buffers' allocation point and the copies in (the reads back): one
+# ``cudaStreamWaitEvent`` a fence, about one a save, and through ctypes each released the GIL and
+# took it back, a hand-over to the training thread each time it wanted the GIL meanwhile (Note [a
+# batch of copies releases the GIL once]). Where the compiled module is built they go in the same
+# C call as the copies (``call_copies``' ``wait`` and ``events``): the runtime's
+# ``cudaStreamWaitEvent`` by its address, in order, then the copies; the first error stops the
+# call, and is said and handled as a copy's (the batch then goes through torch, waits included).
+# The events are read in Python first (``Event.cuda_event``), with the GIL held, as before.
 def _compiled() -> Any:
     """``ssdtrain._cpack`` where built and current, else None (looked for once)."""
     global _native
@@ -150,6 +160,7 @@ def _load_cudart() -> Any:
         lib.cudaGetErrorString.argtypes = [ctypes.c_int]
         lib.cudaGetErrorString.restype = ctypes.c_char_p
         lib.memcpy_async_address = _address(lib.cudaMemcpyAsync)
+        lib.wait_event_address = _address(lib.cudaStreamWaitEvent)
         return lib
     except (OSError, AttributeError, ValueError) as e:
         log.info("ssdtrain: the CUDA runtime cannot be called directly (%s); copies go through torch", e)
@@ -214,17 +225,20 @@ def _queue_raw(gpu: torch.device, copies: list[tuple[int, int, int]], readys: li
     with _on(gpu):
         stream = side_stream(gpu)
         raw = stream.cuda_stream
+        events, last = [], None
+        for ready in readys:
+            if ready is not None and ready.event is not last:  # neighbours may share one fence
+                last = ready.event
+                events.append(ready.event.cuda_event)
         try:
-            last = None
-            for ready in readys:
-                if ready is not None and ready.event is not last:  # neighbours may share one fence
-                    last = ready.event
-                    _check(rt, rt.cudaStreamWaitEvent(raw, ready.event.cuda_event, 0), "cudaStreamWaitEvent")
-            native, address = _compiled(), getattr(rt, "memcpy_async_address", None)
-            if native is not None and address:  # Note [a batch of copies releases the GIL once]
-                _, err = native.call_copies(address, raw or 0, _DEFAULT, copies)
-                _check(rt, err, "cudaMemcpyAsync")
+            native = _compiled()
+            address, wait = getattr(rt, "memcpy_async_address", None), getattr(rt, "wait_event_address", None)
+            if native is not None and address and wait:  # Note [a batch's waits release the GIL with its copies]
+                waited, _, err = native.call_copies(address, raw or 0, _DEFAULT, copies, wait, events)
+                _check(rt, err, "cudaStreamWaitEvent" if waited < len(events) else "cudaMemcpyAsync")
             else:
+                for event in events:
+                    _check(rt, rt.cudaStreamWaitEvent(raw, event, 0), "cudaStreamWaitEvent")
                 for dst, src, nbytes in copies:
                     _check(rt, rt.cudaMemcpyAsync(dst, src, nbytes, _DEFAULT, raw), "cudaMemcpyAsync")
         except RuntimeError as e:
