@@ -270,7 +270,7 @@ def measure(mode: str, model, tokens, steps: int, path: str, setup=None) -> dict
 
         def ctx():
             return off
-    fwd, bwd, step_all = [], [], []
+    fwd, bwd, step_all, step_training = [], [], [], []
     slept = 0
     for i in range(steps + 4):
         if i in (3, steps + 3):  # Note [a wake-up is dear here]: the timed steps' sleeps
@@ -290,15 +290,17 @@ def measure(mode: str, model, tokens, steps: int, path: str, setup=None) -> dict
         if off is not None:
             off.wait()
         moved = mover.step_done() if mover is not None else 0
-        p2 = time.process_time()
+        p2, t3 = time.process_time(), time.thread_time()
         del loss
         if 3 <= i < steps + 3:
             fwd.append(t1 - t)
             bwd.append(t2 - t1)
             step_all.append(p2 - p)
+            step_training.append(t3 - t)
     out = {"mode": mode, "note": note, "forward_ms": statistics.median(fwd) * 1e3,
            "backward_ms": statistics.median(bwd) * 1e3 if backward else None,
-           "step_all_threads_ms": statistics.median(step_all) * 1e3, "sleeps_per_step": slept / steps}
+           "step_all_threads_ms": statistics.median(step_all) * 1e3, "sleeps_per_step": slept / steps,
+           "step_training_thread_ms": statistics.median(step_training) * 1e3}
     n = max(spent["_pack_n"], 1)
     out["saves"] = spent["_pack_n"] / steps
     out["pack_us"] = spent["_pack"] / n * 1e6
@@ -466,6 +468,14 @@ def main(argv: list[str] | None = None) -> int:
     # the kernel, both sides counted (2026-11-30: the copies mode's mover, which polls every 0.2 ms,
     # spent 3 ms a step beyond its memmoves in slow phases): the all-threads figure moves with what a
     # wake-up costs at the time, times how often the threads sleep. Printed to read it by.
+    if ref is not None:  # where the all-threads figure goes: the thread that runs the model, the others
+        for r in rows:
+            if "all_threads_extra_us_per_save" in r and r["mode"] != "copies":
+                r["training_thread_extra_us_per_save"] = (
+                    (r["step_training_thread_ms"] - ref["step_training_thread_ms"]) * 1e3 / r["saves"])
+                print(f"{r['mode']}: of all threads' +{r['all_threads_extra_us_per_save']:.1f} us a save, the training "
+                      f"thread +{r['training_thread_extra_us_per_save']:.1f} (its whole step, hooks included), the "
+                      f"others +{r['all_threads_extra_us_per_save'] - r['training_thread_extra_us_per_save']:.1f}")
     print("sleeps a step (voluntary context switches, all threads): "
           + ", ".join(f"{r['mode']} {r['sleeps_per_step']:.0f}" for r in rows if "sleeps_per_step" in r))
     for r in rows:

@@ -575,6 +575,8 @@ def test_pack_cost_benchmark_smoke(tmp_path, capsys):
     assert "fwd +us/save" in printed and "sleeps a step" in printed
     rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["identity"]["sleeps_per_step"] >= 0 and rows["tier"]["sleeps_per_step"] > 0  # its copy threads wake
+    tier = rows["tier"]  # the split of all threads' time: the training thread's share is a thread's CPU time
+    assert "the training thread +" in printed and 0 < tier["step_training_thread_ms"] <= tier["step_all_threads_ms"]
     assert rows["tier"]["host_copied_bytes"] > 0 and rows["tier"]["written_bytes"] > 0
     assert rows["drive"]["host_copied_bytes"] == 0 and rows["drive"]["written_bytes"] > 0
     assert rows["kept"]["written_bytes"] == 0 and rows["kept"]["kept_bytes"] > 0
