@@ -10,7 +10,7 @@ import torch
 
 from ssdtrain.device import copies
 from ssdtrain.device import cuda as device
-from ssdtrain.engine.cache import Cache, Entry, Ref, rebuild
+from ssdtrain.engine.cache import Cache, Entry, Ref, State, rebuild
 from ssdtrain.engine.group import Bufs
 from ssdtrain.engine.group import requests as group_requests
 from ssdtrain.engine.schedule import ReadWindow, Scope, WriteBudget
@@ -45,11 +45,27 @@ class Reader:
         """Reads the entries ``scope`` will need next, as far as the window allows."""
         if layer is not None:
             scope.layer_now = layer
-        limit = self._window.limit(self._counters.total.resident_bytes, scope.ahead)
-        if (self._many is not None and scope.ahead and limit - scope.ahead < limit * READ_BATCH_SHARE
-                and scope.cursor >= 0 and not on_drive(scope.order[scope.cursor].extent)):
-            return  # Note [tier reads are issued a batch at a time]: too little room for a batch yet
-        strict = self._window.peak is not None  # Note [reads never raise the peak]
+        window, ahead, cursor = self._window, scope.ahead, scope.cursor
+        # ReadWindow.limit, inline (Note [unpack's common case without calls]: a change there is a change here)
+        if window.cap == 0:
+            limit = 0  # prefetch_bytes=0: no read-ahead at all
+        else:
+            held = self._counters.total.resident_bytes - ahead
+            limit = window.bytes + (window.ceiling - held if window.ceiling > held else 0)
+            if window.peak is not None:  # Note [reads never raise the peak]
+                room = window.peak - held if window.peak > held else 0
+                if room < limit:
+                    limit = room
+        strict = window.peak is not None
+        nxt = scope.order[cursor] if cursor >= 0 else None
+        if nxt is not None and ahead and getattr(nxt.extent, "path_index", 0) < 0:  # not on a drive
+            if self._many is not None and limit - ahead < limit * READ_BATCH_SHARE:
+                return  # Note [tier reads are issued a batch at a time]: too little room for a batch yet
+        # Scope.advance's first question, asked here: it would pick nothing (and change nothing)
+        if ahead >= limit or (nxt is None and not scope.resume):
+            return
+        if nxt is not None and (ahead or strict) and ahead + nxt.nbytes > limit and nxt.state is State.ON_DISK:
+            return
         picked = scope.advance(layer, max_bytes=limit, max_layers=self._max_layers, strict=strict)
         if len(picked) > 1 and self._many is not None:
             self._issue_all(picked)
@@ -127,6 +143,23 @@ class Reader:
             self.issue(e)
         return e.read_future, e.read_buf
 
+    def take(self, e: Entry, ref: Ref) -> tuple[torch.Tensor, Any, Any] | None:
+        """Under the lock, unpack's common case: ``e`` was read ahead, its buffer is here and, in a
+        group, its part's too. What :meth:`claim` (its question and count asked inline: Note
+        [unpack's common case without calls], a change there is a change here) and then
+        :meth:`finished` would do and answer; None where ``claim`` is needed."""
+        buf = e.loaded
+        if buf is None:
+            return None
+        grouped = e.grouped
+        if grouped and buf[ref.part.index] is None:
+            return None
+        stats_id = e.scope.stats_id  # Counters.add, inline: a step's saves have no scope of their own
+        self._counters.total.__dict__["prefetch_hits"] += 1
+        if stats_id is not None:
+            self._counters.add_scoped(stats_id, "prefetch_hits", 1)
+        return self.finished(e, ref, buf)
+
     def finish(self, e: Entry, ref: Ref, fut: Any, buf: torch.Tensor) -> torch.Tensor:
         """Lock NOT held: waits for the read :meth:`claim` gave (if any); returns the saved tensor."""
         if fut is not None:
@@ -165,7 +198,8 @@ class Reader:
         out = buf if ref.whole and buf.dtype is ref.dtype and buf.shape == ref.size else rebuild(buf, ref)
         ext = ref.part.extent
         back = getattr(ext, "back", None)  # the host tier's copy back, queued on a side stream
-        self._cache.unload(e)
+        if e.unpacked_refs >= e.refs:  # Cache.unload's question, asked here (e.loaded is buf's holder)
+            self._cache.unload(e)
         return out, ext, back
 
     def order_after(self, ext: Any, back: Any) -> None:

@@ -50,7 +50,13 @@ class UnpackHooks:
     # on the training thread, and its Ref's common case (a part read back and landed, or still in
     # memory) made some 40 calls: here ``_see_peak``'s question is asked (only here), and the
     # first ones of ``check_version`` and ``Scope.used`` inline (a change to them is a change
-    # here): those functions are called only where they have work to do.
+    # here): those functions are called only where they have work to do. Since 2026-11-30 also
+    # ``for_consumer``'s and ``order_after``'s (a host tensor with no copy back needs neither),
+    # ``Reader.take`` asks ``claim``'s question and makes its count for a save read ahead
+    # (then ``finished``, which asks ``Cache.unload``'s), and ``Reader.prefetch`` computes
+    # ``ReadWindow.limit`` and asks ``Scope.advance``'s first question (most unpacks move no read:
+    # the window frees a group's room every eight saves or so) before calling them: about 24 calls
+    # an unpack to 17 on pack_cost's GPT through the tier.
     def _unpack_entry(self, ref: Ref) -> torch.Tensor:
         e = ref.entry
         scope = e.scope
@@ -85,15 +91,23 @@ class UnpackHooks:
                 # A fresh copy each time: a raised exception keeps its traceback, and the
                 # frames in it (holding saved references) must not live on in the entry.
                 raise copy.copy(e.error).with_traceback(None)
-            fut, buf = self._reader.claim(e, ref)
-            if fut is not None and fut.done() and fut.exception() is None:
-                self._reader.landed(e, fut, buf)  # Reader.wait's and finish's counting, done here
+            got = self._reader.take(e, ref)  # read ahead and landed, the common case: claim and finished in one
+            if got is not None:
                 fut = None
-            if fut is None:  # read ahead and landed: Reader.finish's work under this same lock
-                out, ext, back = self._reader.finished(e, ref, buf)
+                out, ext, back = got
+            else:
+                fut, buf = self._reader.claim(e, ref)
+                if fut is not None and fut.done() and fut.exception() is None:
+                    self._reader.landed(e, fut, buf)  # Reader.wait's and finish's counting, done here
+                    fut = None
+                if fut is None:  # read ahead and landed: Reader.finish's work under this same lock
+                    out, ext, back = self._reader.finished(e, ref, buf)
         if fut is None:
-            self._reader.order_after(ext, back)
-            return device.for_consumer(out)
+            if back is not None:  # Reader.order_after's question, asked here
+                self._reader.order_after(ext, back)
+            if out.is_cuda or device._model is not None:  # device.for_consumer's questions, asked here
+                return device.for_consumer(out)
+            return out
         return device.for_consumer(self._reader.finish(e, ref, fut, buf))
 
     # Note [reads go on while kept saves are used]

@@ -1,7 +1,10 @@
 """What a copy made on another core costs beyond the wake: the tier's batches made inline on the
 submitting thread, their memmoves on the training thread (plus a wake of an idle C thread), against
 the memmoves handed to a C thread on the other core and waited for (no GIL taken there), against the
-threads. Not a design: a measurement of what a C copy worker could still pay."""
+threads. Not a design: a measurement of what a C copy worker could still pay.
+Build first (from the repository root): gcc -O2 -shared -fPIC -o /tmp/wk/libcworker.so
+benchmarks/cpu-results/2026-11-30-threads/cworker.c -lpthread and libwaker.so from waker.c; then
+`python benchmarks/cpu-results/2026-11-30-threads/ab_cross_core.py ROUNDS`."""
 import ctypes, sys
 sys.path.insert(0, "benchmarks")
 import pack_cost

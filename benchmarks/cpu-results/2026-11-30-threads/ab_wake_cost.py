@@ -1,6 +1,9 @@
 """Of the tier's copy-thread cost, how much is the wake-up itself: batches made inline on the
 submitting thread (a bound), against the same plus a wake of a C thread that never takes the GIL
-(what a C copy worker would still pay), against the threads. Not a design: a measurement."""
+(what a C copy worker would still pay), against the threads. Not a design: a measurement.
+Build first (from the repository root): gcc -O2 -shared -fPIC -o /tmp/wk/libwaker.so
+benchmarks/cpu-results/2026-11-30-threads/waker.c -lpthread; then
+`python benchmarks/cpu-results/2026-11-30-threads/ab_wake_cost.py ROUNDS`."""
 import ctypes, sys
 sys.path.insert(0, "benchmarks")
 import pack_cost
