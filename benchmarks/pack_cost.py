@@ -67,21 +67,21 @@ class _Hooks:
         self._pack, self._unpack = pack, unpack
 
 
-def _timed(off, spent: dict, prof: cProfile.Profile) -> None:
+def _timed(off, spent: dict, prof: dict) -> None:
     """Wraps ``off``'s hooks (``_pack``, ``_unpack``) to add their thread CPU time to ``spent``,
-    and pack's Python calls to ``prof`` while ``spent["profile"]`` is set (a step of its own:
+    and each one's Python calls to ``prof[name]`` while ``spent["profile"]`` is set (a step of its own:
     cProfile's cost is not timed). Every mode, ``identity`` included, goes through this wrapper:
     its own cost (two clock reads, about 1 us here) is in the identity floor printed beside."""
     for name in ("_pack", "_unpack"):
         fn = getattr(off, name)
 
         def run(_self, arg, fn=fn, name=name):
-            if spent["profile"] and name == "_pack":
-                prof.enable()
+            if spent["profile"]:
+                prof[name].enable()
                 try:
                     return fn(arg)
                 finally:
-                    prof.disable()
+                    prof[name].disable()
                     spent[name + "_calls_n"] += 1
             t = time.thread_time()
             try:
@@ -231,7 +231,7 @@ def measure(mode: str, model, tokens, steps: int, path: str, setup=None) -> dict
         return out
     spent = dict.fromkeys(("_pack", "_unpack", "_pack_n", "_unpack_n", "_pack_calls_n", "_unpack_calls_n",
                            "profile"), 0)
-    prof = cProfile.Profile()
+    prof = {"_pack": cProfile.Profile(), "_unpack": cProfile.Profile()}
     off = None
     note = ""
     backward = True
@@ -306,7 +306,8 @@ def measure(mode: str, model, tokens, steps: int, path: str, setup=None) -> dict
     out["pack_us"] = spent["_pack"] / n * 1e6
     out["unpack_us"] = spent["_unpack"] / spent["_unpack_n"] * 1e6 if spent["_unpack_n"] else None
     # less the hook itself and the profiler's disable, one each a save
-    out["pack_calls"] = _calls(prof, "run") / max(spent["_pack_calls_n"], 1) - 2
+    out["pack_calls"] = _calls(prof["_pack"], "run") / max(spent["_pack_calls_n"], 1) - 2
+    out["unpack_calls"] = _calls(prof["_unpack"], "run") / spent["_unpack_calls_n"] - 2 if spent["_unpack_calls_n"] else None
     out["copied_bytes_per_step"] = moved
     if mover is not None:
         mover.running = False
@@ -421,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"pack: {native.native_pack_status()} (the -python modes: pure Python)")
     print(f"memcpy: {rate / 1e9:.2f} GB/s for copies of {save_bytes} B (one activation of this model), the best of "
           "five passes over 512 distinct tensors")
-    print(f"{'mode':13s} {'saves':>6s} {'pack us':>8s} {'calls':>6s} {'unpack us':>10s} {'fwd ms':>8s} {'bwd ms':>8s}"
+    print(f"{'mode':13s} {'saves':>6s} {'pack us':>8s} {'calls':>6s} {'unpack us':>10s} {'calls':>6s} {'fwd ms':>8s} {'bwd ms':>8s}"
           f" {'fwd +us/save':>13s} {'all threads +us/save':>21s} {'of it copying':>14s} {'beyond':>7s}")
     for r in rows:
         if "unavailable" in r:
@@ -438,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
                 r["all_threads_beyond_copy_us_per_save"] = r["all_threads_extra_us_per_save"] - r["copy_us_per_save"]
                 extra += (f" {r['all_threads_extra_us_per_save']:21.1f} {r['copy_us_per_save']:14.1f}"
                           f" {r['all_threads_beyond_copy_us_per_save']:7.1f}")
-        unpack = f"{r['unpack_us']:10.1f}" if r["unpack_us"] is not None else f"{'-':>10s}"
+        unpack = (f"{r['unpack_us']:10.1f} {r['unpack_calls']:6.1f}" if r["unpack_us"] is not None
+                  else f"{'-':>10s} {'-':>6s}")
         bwd = f"{r['backward_ms']:8.2f}" if r["backward_ms"] is not None else f"{'-':>8s}"
         print(f"{r['mode']:13s} {r['saves']:6.0f} {r['pack_us']:8.1f} {r['pack_calls']:6.1f} {unpack}"
               f" {r['forward_ms']:8.2f} {bwd}{extra}")
@@ -482,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         if r.get("note"):
             print(f"  {r['mode']}: {r['note']}")
     print("pack us, unpack us: the training thread's CPU time a call, through one timing wrapper (identity: the "
-          "floor, the wrapper included); calls: Python and builtin calls a save in pack; all threads: the step's "
+          "floor, the wrapper included); calls: Python and builtin calls a call of pack, of unpack; all threads: the step's "
           "process CPU time above identity's, a save; of it copying: the bytes copied and read back a save at the "
           "memcpy rate above")
     if a.json:

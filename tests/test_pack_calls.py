@@ -49,12 +49,30 @@ def test_pack_calls_per_save_do_not_grow(compiled, mode, tmp_path, monkeypatch):
     assert 5 < calls <= (COMPILED_CEILING if compiled else CEILING)[mode], [r["pack_calls"] for r in runs]
 
 
+UNPACK_CEILING = {"kept": 2, "tier": 16, "drive": 45}
+"""Unpack's calls a call, the same way (2026-11-30, pack_cost's GPT at 4 blocks, the fewest of five
+steps): kept 0.9, tier 14.2 (20.6 before Note [unpack's common case without calls] asked claim's,
+finished's, the window's and for_consumer's questions inline), drive 23-32 (its reads' waits vary)."""
+
+
+@pytest.mark.parametrize("mode", list(UNPACK_CEILING))
+def test_unpack_calls_do_not_grow(mode, tmp_path, monkeypatch):
+    monkeypatch.setattr(offloader_mod, "_TIER_DEVICES", ("cuda", "cpu"))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=512, seq=64, layers=4, hidden=64, heads=4))
+    tokens = torch.randint(0, 512, (2, 64))
+    runs = [pack_cost.measure(mode, model, tokens, 1, str(tmp_path)) for _ in range(5)]
+    assert all(r["saves"] > 100 and r["unpack_us"] is not None for r in runs)
+    calls = min(r["unpack_calls"] for r in runs)
+    assert 0 < calls <= UNPACK_CEILING[mode], [r["unpack_calls"] for r in runs]
+
+
 def test_the_identity_floor_counts_no_call(tmp_path):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=512, seq=64, layers=2, hidden=64, heads=4))
     tokens = torch.randint(0, 512, (2, 64))
     run = pack_cost.measure("identity", model, tokens, 1, str(tmp_path))
-    assert run["saves"] > 50 and run["pack_calls"] == 0
+    assert run["saves"] > 50 and run["pack_calls"] == 0 and run["unpack_calls"] == 0
 
 
 def test_the_copies_floor_moves_the_bytes_with_no_engine(tmp_path):

@@ -56,7 +56,7 @@ class UnpackHooks:
     # (then ``finished``, which asks ``Cache.unload``'s), and ``Reader.prefetch`` computes
     # ``ReadWindow.limit`` and asks ``Scope.advance``'s first question (most unpacks move no read:
     # the window frees a group's room every eight saves or so) before calling them: about 24 calls
-    # an unpack to 17 on pack_cost's GPT through the tier.
+    # an unpack to 18 on pack_cost's GPT through the tier.
     def _unpack_entry(self, ref: Ref) -> torch.Tensor:
         e = ref.entry
         scope = e.scope
