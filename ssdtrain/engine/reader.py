@@ -154,10 +154,11 @@ class Reader:
         grouped = e.grouped
         if grouped and buf[ref.part.index] is None:
             return None
-        stats_id = e.scope.stats_id  # Counters.add, inline: a step's saves have no scope of their own
-        self._counters.total.__dict__["prefetch_hits"] += 1
-        if stats_id is not None:
-            self._counters.add_scoped(stats_id, "prefetch_hits", 1)
+        stats_id = e.scope.stats_id
+        if stats_id is None:  # Counters.add's common case, inline: a step's saves have no scope of their own
+            self._counters.total.__dict__["prefetch_hits"] += 1
+        else:
+            self._counters.add(stats_id, "prefetch_hits", 1)
         return self.finished(e, ref, buf)
 
     def finish(self, e: Entry, ref: Ref, fut: Any, buf: torch.Tensor) -> torch.Tensor:
@@ -198,7 +199,7 @@ class Reader:
         out = buf if ref.whole and buf.dtype is ref.dtype and buf.shape == ref.size else rebuild(buf, ref)
         ext = ref.part.extent
         back = getattr(ext, "back", None)  # the host tier's copy back, queued on a side stream
-        if e.unpacked_refs >= e.refs:  # Cache.unload's question, asked here (e.loaded is buf's holder)
+        if e.unpacked_refs >= e.refs:  # Cache.unload's first question, asked here (it asks the rest)
             self._cache.unload(e)
         return out, ext, back
 

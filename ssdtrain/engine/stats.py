@@ -144,11 +144,6 @@ class Counters:
         if scope_id is not None and field in _SCOPE_SET:  # a step's saves have none: most calls end here
             self._per(scope_id)[field] += amount
 
-    def add_scoped(self, scope_id: Any, field: str, amount: float) -> None:
-        """:meth:`add`'s second half: a micro-batch's own count of ``field`` (the total's is added by the caller)."""
-        if field in _SCOPE_SET:
-            self._per(scope_id)[field] += amount
-
     def _per(self, scope_id: Any) -> dict[str, Any]:
         """A micro-batch's own counts (made at its first)."""
         per = self.per_scope.get(scope_id)
