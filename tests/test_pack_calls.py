@@ -51,8 +51,10 @@ def test_pack_calls_per_save_do_not_grow(compiled, mode, tmp_path, monkeypatch):
 
 UNPACK_CEILING = {"kept": 2, "tier": 16, "drive": 45}
 """Unpack's calls a call, the same way (2026-11-30, pack_cost's GPT at 4 blocks, the fewest of five
-steps): kept 0.9, tier 14.2 (20.6 before Note [unpack's common case without calls] asked claim's,
-finished's, the window's and for_consumer's questions inline), drive 23-32 (its reads' waits vary)."""
+steps): kept 0.9, tier 15.4 (20.6 before Note [unpack's common case without calls] asked claim's,
+finished's and advance's questions inline and let ReadWindow.limit and for_consumer answer without
+calls of their own; 14.2 before this session's review put the window's limit back in one place),
+drive 23-32 (its reads' waits vary)."""
 
 
 @pytest.mark.parametrize("mode", list(UNPACK_CEILING))

@@ -306,6 +306,8 @@ def order(ready: Callable[[], None] | None, stream: torch.cuda.Stream) -> None:
 # again while kernels queued on the consumer stream still read it. ``record_stream`` tells it.
 def for_consumer(t: torch.Tensor) -> torch.Tensor:
     """``t`` handed to backward: a CUDA tensor is tied to the current stream, which will use it."""
+    if _model is None and not t.is_cuda:  # a host tensor: nothing to tie (unpack's common case on the CPU)
+        return t
     if _model is not None:
         if _model.is_device(t):
             _model.record_stream(t, _model.current_stream())

@@ -45,18 +45,9 @@ class Reader:
         """Reads the entries ``scope`` will need next, as far as the window allows."""
         if layer is not None:
             scope.layer_now = layer
-        window, ahead, cursor = self._window, scope.ahead, scope.cursor
-        # ReadWindow.limit, inline (Note [unpack's common case without calls]: a change there is a change here)
-        if window.cap == 0:
-            limit = 0  # prefetch_bytes=0: no read-ahead at all
-        else:
-            held = self._counters.total.resident_bytes - ahead
-            limit = window.bytes + (window.ceiling - held if window.ceiling > held else 0)
-            if window.peak is not None:  # Note [reads never raise the peak]
-                room = window.peak - held if window.peak > held else 0
-                if room < limit:
-                    limit = room
-        strict = window.peak is not None
+        ahead, cursor = scope.ahead, scope.cursor
+        limit = self._window.limit(self._counters.total.resident_bytes, ahead)
+        strict = self._window.peak is not None  # Note [reads never raise the peak]
         nxt = scope.order[cursor] if cursor >= 0 else None
         if nxt is not None and ahead and getattr(nxt.extent, "path_index", 0) < 0:  # not on a drive
             if self._many is not None and limit - ahead < limit * READ_BATCH_SHARE:

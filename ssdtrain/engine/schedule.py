@@ -293,9 +293,12 @@ class ReadWindow:
         ``ahead`` are read ahead already."""
         if self.cap == 0:
             return 0  # prefetch_bytes=0: no read-ahead at all
-        limit = self.bytes + max(0, self.ceiling - (resident - ahead))
+        held = resident - ahead  # no builtins: asked at every unpack (Note [unpack's common case without calls])
+        limit = self.bytes + (self.ceiling - held if self.ceiling > held else 0)
         if self.peak is not None:  # Note [reads never raise the peak]: not the step's either
-            limit = min(limit, max(0, self.peak - (resident - ahead)))
+            room = self.peak - held if self.peak > held else 0
+            if room < limit:
+                limit = room
         return limit
 
 

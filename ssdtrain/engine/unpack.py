@@ -51,12 +51,12 @@ class UnpackHooks:
     # memory) made some 40 calls: here ``_see_peak``'s question is asked (only here), and the
     # first ones of ``check_version`` and ``Scope.used`` inline (a change to them is a change
     # here): those functions are called only where they have work to do. Since 2026-11-30 also
-    # ``for_consumer``'s and ``order_after``'s (a host tensor with no copy back needs neither),
-    # ``Reader.take`` asks ``claim``'s question and makes its count for a save read ahead
-    # (then ``finished``, which asks ``Cache.unload``'s), and ``Reader.prefetch`` computes
-    # ``ReadWindow.limit`` and asks ``Scope.advance``'s first question (most unpacks move no read:
-    # the window frees a group's room every eight saves or so) before calling them: about 24 calls
-    # an unpack to 18 on pack_cost's GPT through the tier.
+    # ``order_after``'s (a save with no copy back needs nothing); ``Reader.take`` asks ``claim``'s
+    # question and makes its count for a save read ahead (then ``finished``, which asks
+    # ``Cache.unload``'s); ``Reader.prefetch`` asks ``Scope.advance``'s first question (most
+    # unpacks move no read: the window frees a group's room every eight saves or so); and
+    # ``ReadWindow.limit`` and ``for_consumer`` answer without calls of their own: about 24 calls an
+    # unpack to 19 on pack_cost's GPT through the tier.
     def _unpack_entry(self, ref: Ref) -> torch.Tensor:
         e = ref.entry
         scope = e.scope
@@ -105,9 +105,7 @@ class UnpackHooks:
         if fut is None:
             if back is not None:  # Reader.order_after's question, asked here
                 self._reader.order_after(ext, back)
-            if out.is_cuda or device._model is not None:  # device.for_consumer's questions, asked here
-                return device.for_consumer(out)
-            return out
+            return device.for_consumer(out)
         return device.for_consumer(self._reader.finish(e, ref, fut, buf))
 
     # Note [reads go on while kept saves are used]
