@@ -396,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = a.modes.split(",")
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     rates: list[float] = []
+    save_bytes = a.batch * a.seq * a.hidden * 4  # a float32 activation of the block
     tier_devices = offloader_mod._TIER_DEVICES
     if dev.type == "cpu":
         offloader_mod._TIER_DEVICES = ("cuda", "cpu")  # the tier's logic on CPU tensors (as tests/test_tier.py)
@@ -404,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(a.rounds):  # alternated, medians over rounds: these VMs are noisy
                 for mode in modes:
                     runs[mode].append(measure(mode, model, tokens, a.steps, path))
-                rates.append(memcpy_rate(a.batch * a.seq * a.hidden * 4))  # the bytes' rate, a round at a time
+                rates.append(memcpy_rate(save_bytes))  # the bytes' rate, a round at a time
     finally:
         offloader_mod._TIER_DEVICES = tier_devices
         torch.set_num_threads(threads)
@@ -419,7 +420,6 @@ def main(argv: list[str] | None = None) -> int:
                 row[k] = statistics.median(r[k] for r in runs[mode])
         rows.append(row)
     ref = next((r for r in rows if r["mode"] == "identity"), None)
-    save_bytes = a.batch * a.seq * a.hidden * 4  # a float32 activation of the block
     rate = statistics.median(rates)
     print(f"pack: {native.native_pack_status()} (the -python modes: pure Python)")
     print(f"memcpy: {rate / 1e9:.2f} GB/s for copies of {save_bytes} B (one activation of this model), the median "
