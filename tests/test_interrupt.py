@@ -181,11 +181,17 @@ def _calls_then_interrupt(cut: int | None, fn) -> int:
     return seen[0]
 
 
+@pytest.mark.parametrize("tier", [False, True], ids=["drive", "tier"])
 @pytest.mark.parametrize("seed", range(int(os.environ.get("SSDTRAIN_INTERRUPT_SEEDS", "5"))))  # more: a stress run
-def test_interrupts_at_random_moments_of_training_leave_nothing_behind(off_dir, seed, monkeypatch):
+def test_interrupts_at_random_moments_of_training_leave_nothing_behind(off_dir, seed, tier, monkeypatch):
     """The issue's stress, made reproducible: each step (forward, backward, wait) is interrupted
     as a random one of all the Python functions it runs begins, 12 steps in a row; then the next step is exact,
-    and wait() and close() leave no entry, no resident or disk byte, no file."""
+    and wait() and close() leave no entry, no resident or disk byte, no file. ``tier``: the host
+    tier's logic on these CPU tensors (as tests/test_tier.py), its copies made on this thread
+    (Note [copies are made where they are handed over]), where the interrupts land."""
+    if tier:
+        from ssdtrain.engine import offloader as offloader_mod
+        monkeypatch.setattr(offloader_mod, "_TIER_DEVICES", ("cuda", "cpu"))
     # An interrupt that strikes as a __del__ begins (a dying Ref's; torch's StorageWeakRef's after
     # its __init__ was cut) is dropped by Python ("Exception ignored in"), and the object dies.
     # pytest's own hook would keep the exception, its frames and so the dying Ref alive.
@@ -196,7 +202,7 @@ def test_interrupts_at_random_moments_of_training_leave_nothing_behind(off_dir, 
     # late_writes: every save is written, as the drive allows (Note [write what leaves before the
     # peak] would keep most of a millisecond forward's saves): the cut must find the write paths.
     off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, chunk_bytes="64KiB", io_threads=1,
-                             late_writes=True)
+                             late_writes=True, **({"host_bytes": "64MiB"} if tier else {}))
 
     def train():
         with off:
@@ -218,7 +224,7 @@ def test_interrupts_at_random_moments_of_training_leave_nothing_behind(off_dir, 
     assert hits >= 9  # the cut fell inside the step (almost always: the count varies with timing)
     assert_same(base, step(model, lambda: model(x).sum(), off))
     s = _settled(off, off_dir)
-    assert s.written_bytes > 0
+    assert s.written_bytes > 0 and (s.host_copied_bytes > 0) == tier
 
 
 def test_a_step_whose_exit_never_ran_holds_the_next_as_nested(off_dir):
