@@ -16,10 +16,11 @@ reports, per path, side by side in one run:
   engine (Note [the copies' own floor]: on a CPU host the copies slow the model's own ops);
 * ``tier``: the host tier on (on the CPU: CPU tensors let through it, as in tests/test_tier.py);
 * ``tier-per-save``: the tier with an entry a save, as before group entries (Note [saves handed over
-  together share an entry]);
+  together share an entry]); ``tier-threads``: the tier with its copies made on its copy threads,
+  as before 2026-11-30 (Note [copies are made where they are handed over]: now the thread that
+  hands a batch over makes it);
 * ``drive``: the memory backend, every save written;
-* ``kept``: every save kept at once (the copy budget closed: what most saves of a GPU forward
-  meet once the tier has learned);
+* ``kept``: every save kept at once (the copy budget closed: most saves of a GPU forward once learned);
 * ``tier-python``, ``kept-python``: the same with the compiled pack off (pure Python: Note [a
   compiled pack for the common save] in ``ssdtrain/engine/native.py``); the other engine modes use
   the compiled pack where it is built (the header says whether).
@@ -29,8 +30,8 @@ the hook: parameters, which pack hands back at once, included), the Python and b
 pack makes per save (a count that does not depend on the machine's noise), and the forward's and
 backward's thread CPU time per step above ``identity`` divided by the saves; and the forward's
 CPU time on all the process's threads (I/O threads included: on a GPU host, their Python holds
-the GIL the training thread needs) above ``identity``, per save. Modes alternate over
-``--rounds``; each figure is the median over rounds.
+the GIL the training thread needs) above ``identity``, per save. Modes alternate over ``--rounds``;
+each figure is the median over rounds.
 
     python benchmarks/pack_cost.py [--layers 12] [--steps 20] [--device cpu|cuda] [--json FILE]
 """
@@ -68,10 +69,10 @@ class _Hooks:
 
 
 def _timed(off, spent: dict, prof: dict) -> None:
-    """Wraps ``off``'s hooks (``_pack``, ``_unpack``) to add their thread CPU time to ``spent``,
-    and each one's Python calls to ``prof[name]`` while ``spent["profile"]`` is set (a step of its own:
-    cProfile's cost is not timed). Every mode, ``identity`` included, goes through this wrapper:
-    its own cost (two clock reads, about 1 us here) is in the identity floor printed beside."""
+    """Wraps ``off``'s hooks (``_pack``, ``_unpack``) to add their thread CPU time to ``spent``, and
+    each one's Python calls to ``prof[name]`` while ``spent["profile"]`` is set (a step of its own:
+    cProfile's cost is not timed). Every mode, ``identity`` included, goes through this wrapper: its
+    own cost (two clock reads, about 1 us here) is in the identity floor printed beside."""
     for name in ("_pack", "_unpack"):
         fn = getattr(off, name)
 
@@ -94,8 +95,7 @@ def _timed(off, spent: dict, prof: dict) -> None:
 
 def _calls(prof: cProfile.Profile, fn_name: str) -> int:
     """Python and builtin calls made under ``fn_name`` (the hook itself not counted)."""
-    stats = pstats.Stats(prof).stats
-    return sum(nc for (_, _, name), (_, nc, _, _, _) in stats.items() if name != fn_name)
+    return sum(nc for (_, _, name), (_, nc, _, _, _) in pstats.Stats(prof).stats.items() if name != fn_name)
 
 
 def _torchtune():
@@ -163,8 +163,7 @@ class _Mover:
             self.done += 1
 
     def _copied(self) -> None:
-        """Waits until every storage handed over was copied."""
-        while self.done < self.handed:
+        while self.done < self.handed:  # every storage handed over copied
             time.sleep(0.0002)
 
     def _copy_out(self) -> None:
@@ -264,6 +263,8 @@ def measure(mode: str, model, tokens, steps: int, path: str, setup=None) -> dict
             off._kept_at_once = lambda t, nbytes: "budget_kept_bytes"  # the budget closed at once
         if mode == "tier-per-save":  # the tier with an entry a save (Note [saves handed over together share an entry])
             off._group_saves = 1
+        if mode == "tier-threads":
+            off._tier.inline_copies(False)  # Note [copies are made where they are handed over]
         if setup is not None:
             setup(off)
         _timed(off, spent, prof)
@@ -297,10 +298,9 @@ def measure(mode: str, model, tokens, steps: int, path: str, setup=None) -> dict
             bwd.append(t2 - t1)
             step_all.append(p2 - p)
             step_training.append(t3 - t)
-    out = {"mode": mode, "note": note, "forward_ms": statistics.median(fwd) * 1e3,
-           "backward_ms": statistics.median(bwd) * 1e3 if backward else None,
-           "step_all_threads_ms": statistics.median(step_all) * 1e3, "sleeps_per_step": slept / steps,
-           "step_training_thread_ms": statistics.median(step_training) * 1e3}
+    med = lambda xs: statistics.median(xs) * 1e3  # noqa: E731 (ms)
+    out = {"mode": mode, "note": note, "forward_ms": med(fwd), "backward_ms": med(bwd) if backward else None,
+           "step_all_threads_ms": med(step_all), "sleeps_per_step": slept / steps, "step_training_thread_ms": med(step_training)}
     n = max(spent["_pack_n"], 1)
     out["saves"] = spent["_pack_n"] / steps
     out["pack_us"] = spent["_pack"] / n * 1e6
@@ -374,8 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--modes", default="identity,copies,kept,kept-python,tier,tier-python,tier-per-save,drive,save_on_cpu,"
-                                       "torchtune")
+    ap.add_argument("--modes", default="identity,copies,kept,kept-python,tier,tier-python,tier-per-save,tier-threads,drive,"
+                                       "save_on_cpu,torchtune")
     ap.add_argument("--intra-op-threads", type=int, default=1,
                     help="torch's intra-op threads while measuring (0: torch's default)")
     ap.add_argument("--json", metavar="FILE")
@@ -450,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     floor = next((r for r in rows if r["mode"] == "copies" and "all_threads_extra_us_per_save" in r), None)
     if floor is not None:  # Note [the copies' own floor]
         for r in rows:
-            if r["mode"] in ("tier", "tier-python", "tier-per-save", "drive") and "all_threads_extra_us_per_save" in r:
+            if r["mode"].startswith(("tier", "drive")) and "all_threads_extra_us_per_save" in r:
                 r["all_threads_beyond_copies_us_per_save"] = (r["all_threads_extra_us_per_save"]
                                                               - floor["all_threads_extra_us_per_save"])
                 print(f"{r['mode']}: all threads +{r['all_threads_beyond_copies_us_per_save']:.1f} us a save above "
@@ -469,10 +469,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{r['mode']}: all threads beyond the copy, round by round against identity's: "
                       + " ".join(f"{v:.1f}" for v in each))
     # Note [a wake-up is dear here]
-    # A thread that sleeps (for work, a lock, the GIL) and is woken costs this VM's CPU 10-30 us in
-    # the kernel, both sides counted (2026-11-30: the copies mode's mover, which polls every 0.2 ms,
-    # spent 3 ms a step beyond its memmoves in slow phases): the all-threads figure moves with what a
-    # wake-up costs at the time, times how often the threads sleep. Printed to read it by.
+    # A thread that sleeps (for work, a lock, the GIL) and is woken costs this VM's CPU 10-30 us in the
+    # kernel, both sides counted (2026-11-30: the copies mode's mover, which polls every 0.2 ms, spent 3
+    # ms a step beyond its memmoves in slow phases), and a hand-over to the tier's sleeping copy thread
+    # about 60 us of the training thread's (Note [copies are made where they are handed over]): the
+    # all-threads figure moves with what a wake-up costs, times how often threads sleep. Printed.
     if ref is not None:  # where the all-threads figure goes: the thread that runs the model, the others
         for r in rows:
             if "all_threads_extra_us_per_save" in r and r["mode"] != "copies":
@@ -486,10 +487,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         if r.get("note"):
             print(f"  {r['mode']}: {r['note']}")
-    print("pack us, unpack us: the training thread's CPU time a call, through one timing wrapper (identity: the "
-          "floor, the wrapper included); calls: Python and builtin calls a call of pack, of unpack; all threads: the step's "
-          "process CPU time above identity's, a save; of it copying: the bytes copied and read back a save at the "
-          "memcpy rate above")
+    print("pack us, unpack us: the training thread's CPU time a call, through one timing wrapper (identity: the floor, the "
+          "wrapper included); calls: Python and builtin calls a call of pack, of unpack; all threads: the step's process "
+          "CPU time above identity's, a save; of it copying: the bytes copied and read back a save at the memcpy rate above")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": str(dev), "args": vars(a), "memcpy_bps": rate, "memcpy_bps_rounds": rates, "rows": rows}, f, indent=1)

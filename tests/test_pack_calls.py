@@ -15,7 +15,11 @@ with a join's counts in one call and no conjugate bit asked of a real tensor; 27
 started in one function and a small save joining a full group, four runs of five);
 issue 64 asks for at most 15 on the kept and tier paths: lower them as the path gets there. These
 ceilings hold pure Python's pack (the compiled pack off); ``COMPILED_CEILING`` holds the compiled
-one's (Note [a compiled pack for the common save]: tier 9.1, kept 11.7 on 2026-11-29), where built."""
+one's (Note [a compiled pack for the common save]: tier 9.1, kept 11.7 on 2026-11-29), where built.
+Since 2026-11-30 the tier's batches of copies, and their completion, are made in the hook that hands
+them over (Note [copies are made where they are handed over]), no longer on the copy threads: the
+tier's compiled pack 6.1 -> 10.9 calls a save here (9.1 -> 11.4 at 12 blocks), its unpack 15.4 ->
+17.0 (17.2 -> 18.4); ``tier-threads`` (the copy threads) counts as before."""
 
 import pytest
 import torch
@@ -27,7 +31,7 @@ from ssdtrain.engine import offloader as offloader_mod
 
 pack_cost = load_benchmark("pack_cost")
 CEILING = {"kept": 13, "tier": 32, "drive": 84}
-COMPILED_CEILING = {"kept": 13, "tier": 11}
+COMPILED_CEILING = {"kept": 13, "tier": 12}
 
 
 @pytest.mark.parametrize("compiled, mode", [(False, m) for m in CEILING] + [(True, m) for m in COMPILED_CEILING])
@@ -49,12 +53,12 @@ def test_pack_calls_per_save_do_not_grow(compiled, mode, tmp_path, monkeypatch):
     assert 5 < calls <= (COMPILED_CEILING if compiled else CEILING)[mode], [r["pack_calls"] for r in runs]
 
 
-UNPACK_CEILING = {"kept": 2, "tier": 16, "drive": 45}
+UNPACK_CEILING = {"kept": 2, "tier": 18, "drive": 45}
 """Unpack's calls a call, the same way (2026-11-30, pack_cost's GPT at 4 blocks, the fewest of five
 steps): kept 0.9, tier 15.4 (20.6 before Note [unpack's common case without calls] asked claim's,
 finished's and advance's questions inline and let ReadWindow.limit and for_consumer answer without
-calls of their own; 14.2 before this session's review put the window's limit back in one place),
-drive 23-32 (its reads' waits vary)."""
+calls of their own; 14.2 before this session's review put the window's limit back in one place;
+17.0 once a read's batch was made in the unpack that issues it), drive 23-32 (its reads' waits vary)."""
 
 
 @pytest.mark.parametrize("mode", list(UNPACK_CEILING))

@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spin-ms", type=float, default=2000)
     ap.add_argument("--profile", type=int, default=25, help="cProfile rows (0: none)")
     ap.add_argument("--switch-interval", type=float, help="sys.setswitchinterval for this run (GIL hand-over)")
+    ap.add_argument("--tier-threads", action="store_true",
+                    help="the tier's copies made on its copy threads, as before 2026-11-30 (Note [copies are "
+                         "made where they are handed over] in ssdtrain/host/tier.py)")
     ap.add_argument("--native-stacks", metavar="FILE",
                     help="with --dump-after: also write every thread's native stack (cuda-gdb attaches) to FILE")
     ap.add_argument("--dump-after", type=float, default=0.0,
@@ -85,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     tokens = torch.randint(0, a.vocab, (a.batch, a.seq), device=dev)
     path = a.path or tempfile.mkdtemp(prefix="ssdtrain-overhead-")
     off = ssdtrain.Offloader(model, path=path, backend=a.backend, **({"min_bytes": 0} if a.recompute else {}))
+    if a.tier_threads and off._tier is not None:
+        off._tier.inline_copies(False)
     saves = [0]
 
     def count(t):

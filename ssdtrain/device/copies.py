@@ -17,7 +17,7 @@ import torch
 from ssdtrain.device import cuda
 from ssdtrain.device.cuda import Fence, _ModelFence, _on, is_cuda, order, side_stream
 
-__all__ = ["queue_copies", "queue_to_host", "queue_to_device", "copy_host", "OrderOnce"]
+__all__ = ["queue_copies", "queue_to_host", "queue_to_device", "copy_host", "runtime_copies", "OrderOnce"]
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +140,12 @@ def _cudart() -> Any:
     if _runtime is None:
         _runtime = _load_cudart() or False
     return _runtime or None
+
+
+def runtime_copies() -> bool:
+    """Whether the tier's copies on a GPU go through the CUDA runtime's own calls, with the GIL
+    released (Note [the copy thread issues copies without the GIL]), rather than through torch."""
+    return _cudart() is not None
 
 
 def _load_cudart() -> Any:

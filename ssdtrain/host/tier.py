@@ -87,6 +87,7 @@ class TieredBackend(Backend):
         self._ins = _Batches(self._copy, self._copy_in)
         self._outs = _Batches(IOPool(1, "ssdtrain-h2d"), self._copy_out)
         self._rate_pending = False
+        self._probing: IOFuture | None = None  # the copy-rate probe, until a batch has waited for it
         self._closed = False
         self._watch_fork()
 
@@ -121,6 +122,10 @@ class TieredBackend(Backend):
             measured = self._copy.submit(self._measure_rate, dev)
             if modelled:  # Note [the modelled tier runs in a fixed order]
                 measured.exception()
+            elif copies.runtime_copies():
+                self._probing = measured  # Note [copies are made where they are handed over]
+            else:
+                self.inline_copies(False)  # torch's copies hold the GIL: on the copy threads, as before
 
     # Note [the first step's saves find the pool pinned]: the first slab is pinned on the training
     # thread at the first CUDA save (about 0.35 s for 512 MiB on an H100's host, once per process),
@@ -204,9 +209,9 @@ class TieredBackend(Backend):
 
     def submit_writes(self, requests: list[tuple[Any, torch.Tensor, bool, Any]]) -> tuple[list[Future], Future | None]:
         """Writes of ``(extent, src, checksum, ready)``: their futures, in order, and the one
-        future that the host extents' copies share (``None`` if there are none): those are handed
-        to the copy thread together (Note [tier copies are handed over a batch at a time]), the
-        drives' writes one by one."""
+        future that the host extents' copies share (``None`` if there are none): those are made
+        together (Note [tier copies are handed over a batch at a time]), the drives' writes one by
+        one."""
         return self._split(self._ins, requests, self.inner.submit_write)
 
     def _split(self, batches: _Batches, requests: list[tuple], inner: Callable) -> tuple[list[Future], Future | None]:
@@ -228,8 +233,9 @@ class TieredBackend(Backend):
     # completion callback, and a completion that took the engine's lock, woke its waiters and
     # pumped the queue again: about half of a tier pack's 38-41 us on the CPU (2026-11-27,
     # benchmarks/cpu-results/2026-11-27-pack-cost/isolated_pump.py). So the write queue hands the
-    # copies of one pump to the copy thread in one request with one future, and settles them in
-    # one completion (``WriteQueue._finish_all``). Pack, and that completion, pump only when no
+    # copies of one pump over in one request with one future (made at once since 2026-11-30: Note
+    # [copies are made where they are handed over]), and settles them in one completion
+    # (``WriteQueue._finish_all``). Pack, and that completion, pump only when no
     # batch is out and ``HAND_OVER_SAVES`` (8) saves or ``HAND_OVER_BYTES`` (256 MiB) wait in the
     # queue, or the oldest was packed ``HAND_OVER_SECONDS`` (1 ms) ago (``WriteQueue.pack_pumps``):
     # with the copy thread faster than pack (on the CPU, where a copy is a memmove; on a GPU, where
@@ -255,30 +261,35 @@ class TieredBackend(Backend):
     # Due when the whole batch is (tried first), the step was x1.003 at that shape but a 4-block
     # model of hidden 1024 lost its peak's fall (71% to 0%): the releases came after its peak.
     def _copy_in(self, batch: list[tuple]) -> None:
-        """On the copy thread: a batch of copies into the pool, queued together (Note [copies
-        are queued a batch at a time]), a fence every ``FENCE_BYTES`` (Note [a copy is due when
-        its fence is])."""
+        """A batch of copies into the pool, queued together (Note [copies are queued a batch at a
+        time]), a fence every ``FENCE_BYTES`` (Note [a copy is due when its fence is])."""
+        if self._probing is not None:  # Note [copies are made where they are handed over]
+            self._probing.exception()
+            self._probing = None
+        bases, n = self.pool.bases, 0  # an extent's address: HostPool.address, without its call
         for part in _by_device(batch):
             if not device.is_cuda(part[0][1]):  # the tests' way through the tier: host to host, at once
                 for _, _, ready in part:
                     if ready is not None:
                         ready()
                 # Note [a batch of copies releases the GIL once]
-                copies.copy_host([(self.pool.address(ext), src.data_ptr(), ext.nbytes) for ext, src, _ in part])
+                copies.copy_host([(bases[ext.slab] + ext.offset, src.data_ptr(), ext.nbytes) for ext, src, _ in part])
                 for ext, _, _ in part:
                     ext.landed = None
+                    n += ext.nbytes
                 continue
             for chunk in _fenced(part):
                 srcs, readys = [src for _, src, _ in chunk], [ready for _, _, ready in chunk]
-                fence = copies.queue_to_host([self.pool.address(ext) for ext, _, _ in chunk], srcs, readys)
+                fence = copies.queue_to_host([bases[ext.slab] + ext.offset for ext, _, _ in chunk], srcs, readys)
                 if fence is None:
                     fence = copies.queue_copies([self.pool.view(ext) for ext, _, _ in chunk], [_tensor(s) for s in srcs],
                                                 readys)
                 due = max(ext.due for ext, _, _ in chunk)
                 for ext, _, _ in chunk:
                     ext.due, ext.landed = due, fence
+                    n += ext.nbytes
         with self._lock:
-            self.copied += sum(ext.nbytes for ext, _, _ in batch)
+            self.copied += n
 
     def submit_read(self, extent: Any, dst: torch.Tensor, *, checksum: object = None,
                     ready: Callable[[], None] | None = None) -> Future:
@@ -294,8 +305,12 @@ class TieredBackend(Backend):
         return self._split(self._outs, requests, self.inner.submit_read)[0]
 
     def _copy_out(self, batch: list[tuple]) -> None:
-        """On the read thread: copies back to the device, queued, not waited for: unpack makes
-        the compute stream wait for ``extent.back`` (``Reader.finish``)."""
+        """Copies back to the device, queued, not waited for: unpack makes the compute stream
+        wait for ``extent.back`` (``Reader.finish``)."""
+        if self._probing is not None:  # Note [copies are made where they are handed over]
+            self._probing.exception()
+            self._probing = None
+        bases, n = self.pool.bases, 0  # an extent's address: HostPool.address, without its call
         for part in _by_device(batch):
             dsts = [dst for _, dst, _ in part]
             if device.is_cuda(dsts[0]):
@@ -304,18 +319,20 @@ class TieredBackend(Backend):
                 readys = list({id(ready): ready for _, _, ready in part if ready is not None}.values())
                 readys += {id(e.landed): e.landed for e, _, _ in part if e.landed is not None}.values()
                 # Note [reads back are issued without the GIL too]; through torch where they cannot be
-                fence = copies.queue_to_device(dsts, [self.pool.address(ext) for ext, _, _ in part], readys)
+                fence = copies.queue_to_device(dsts, [bases[ext.slab] + ext.offset for ext, _, _ in part], readys)
                 if fence is None:  # byte for byte (a buffer may have its save's shape: Note [a whole save is read into its own shape])
                     fence = copies.queue_copies([_bytes(d) for d in dsts], [self.pool.view(ext) for ext, _, _ in part], readys)
                 for ext, _, _ in part:
                     ext.back = fence
+                    n += ext.nbytes
             else:
-                for _, _, ready in part:
+                for ext, _, ready in part:
                     if ready is not None:
                         ready()
-                copies.copy_host([(dst.data_ptr(), self.pool.address(ext), ext.nbytes) for ext, dst, _ in part])
+                    n += ext.nbytes
+                copies.copy_host([(dst.data_ptr(), bases[ext.slab] + ext.offset, ext.nbytes) for ext, dst, _ in part])
         with self._lock:
-            self.read += sum(ext.nbytes for ext, _, _ in batch)
+            self.read += n
 
     def alloc_buffer(self, nbytes: int, dev: torch.device, extent: Any = None, shape: Any = None,
                      dtype: Any = None) -> torch.Tensor:
@@ -327,6 +344,11 @@ class TieredBackend(Backend):
                 return torch.empty(shape, dtype=dtype, device=dev)
             return torch.empty(nbytes, dtype=torch.uint8, device=dev)
         return self.inner.alloc_buffer(nbytes, dev, extent=extent)
+
+    def inline_copies(self, on: bool = True) -> None:
+        """Copies made on the thread that hands them over (the default), or, ``on=False``, on the
+        copy threads (Note [copies are made where they are handed over]); set before the first save."""
+        self._ins.inline = self._outs.inline = on
 
     # -- bookkeeping --------------------------------------------------------------------------
     def fill(self, snap: Any) -> None:
@@ -376,6 +398,12 @@ def _bytes(buf: torch.Tensor) -> torch.Tensor:
 
 def _by_device(batch: list[tuple]) -> list[list[tuple]]:
     """The requests ``(extent, tensor, ready)`` of a batch grouped by the tensor's device, in order."""
+    first = batch[0][1].device
+    for request in batch:
+        if request[1].device != first:
+            break
+    else:  # the common case: one device, no call a request
+        return [batch]
     parts: dict[torch.device, list[tuple]] = {}
     for request in batch:
         parts.setdefault(request[1].device, []).append(request)
@@ -392,6 +420,30 @@ class _Batches:
         self._lock = threading.Lock()
         self._pending: list[tuple[list, IOFuture]] = []
         self._draining = False
+        self.inline = True  # Note [copies are made where they are handed over]
+
+    # Note [copies are made where they are handed over]
+    # A batch handed to a sleeping copy thread cost the training thread about 60 us on this VM: a
+    # wake-up (~17 us in ``submit``: a futex call and the other core's interrupt) and the GIL
+    # passed back and forth twice while the copy thread ran its Python (2026-11-30, pack_cost's GPT
+    # through the tier: 30 batches and 60 sleeps a step). The copies themselves are a memmove on
+    # the CPU and, on a GPU, calls into the CUDA runtime made with the GIL released (Note [a batch
+    # of copies releases the GIL once] in ``device/copies.py``): cheaper than the hand-over. So each
+    # batch is now made on the thread that hands it over (pack's pump on the training thread, a
+    # read on the thread that runs unpack), under this object's lock (one batch at a time, as the
+    # copy thread took them), and its future is done when ``submit`` returns: its completion runs
+    # where the caller adds it (as on the modelled GPU). On pack_cost's GPT (3 runs, every mode):
+    # all threads beyond the copy 17.8-18.4 us a save against 22.0-23.7 with the copy threads, the
+    # training thread's whole step +20.5-21.2 against +21.2-22.3 although it now makes the
+    # memmoves, pack 8.4-9.0 us against 8.3-8.6, no sleeps. The modelled H200 is unchanged (its
+    # one host clock charges every copy's issue to the step either way). A failed batch fails its
+    # future, as on the copy thread; an interrupt goes to the caller, whose hand-over handles it
+    # (``WriteQueue._interrupted``). The copy threads stay for the copy-rate probe (the first batch
+    # waits for it: copies beside it would slow the copy engine it measures) and where copies go
+    # through torch (no CUDA runtime to call: ``Tensor.copy_`` holds the GIL for some 38 us a copy,
+    # dearer inline than on a thread): ``inline_copies(False)``. Whether a GPU host's training
+    # thread gains as this VM's does is the GPU queue's ``overhead`` stage (pack_cost's
+    # ``tier-threads``, gpu_overhead.py's ``--tier-threads``).
 
     # Note [the modelled tier runs in a fixed order]
     # On the modelled GPU (Note [the seam answers for the modelled GPU] in ``device/cuda.py``) the
@@ -404,6 +456,15 @@ class _Batches:
     # the write queue submits without it, and the reads' futures have no callbacks.
     def submit(self, requests: list) -> IOFuture:
         fut = IOFuture()
+        if self.inline:
+            with self._lock:
+                try:
+                    self._process(requests)
+                except Exception as e:  # the batch's failure, as on the copy thread
+                    fut.set_exception(e)
+                    return fut
+            fut.set_result(None)
+            return fut
         with self._lock:
             self._pending.append((requests, fut))
             start, self._draining = not self._draining, True

@@ -55,6 +55,21 @@ def test_tier_copies_through_the_runtime_or_torch_are_exact(copies, tmp_path, sl
     assert (device_copies._runtime is not False) == (copies == "runtime"), device_copies._runtime
 
 
+def test_tier_copies_made_on_the_copy_threads_are_exact(tmp_path, sleep):
+    # Note [copies are made where they are handed over]: the other tests make the copies where
+    # they are handed over (the training thread's and autograd's side streams, the default); the
+    # copy threads (torch's fallback, the overhead stage's comparison) are ordered by the same fences.
+    model, xs = _net(torch.bfloat16, sleep, True, 2)
+
+    def make():
+        off = ssdtrain.Offloader(model, path=str(tmp_path), min_bytes=0, host_bytes="64MiB")
+        off._tier.inline_copies(False)
+        return off
+
+    s = _exact_over_steps(model, xs, (1, 0), make)
+    assert s.host_copied_bytes > 0 and s.host_read_bytes > 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_tier_full_spills_to_the_drive(dtype, tmp_path, sleep):
     model, xs = _net(dtype, sleep, False, 2)

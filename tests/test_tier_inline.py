@@ -1,0 +1,99 @@
+"""Where the host tier's copies are made (Note [copies are made where they are handed over] in
+``host/tier.py``): by default on the thread that hands a batch over, with ``inline_copies(False)``
+on the copy threads, as before; both exact, with the same failure handling."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import ssdtrain
+from ssdtrain.bench.models import GPT, GPTConfig
+from ssdtrain.engine import offloader as offloader_mod
+from ssdtrain.host import tier
+
+from _equiv import assert_same, step
+
+
+@pytest.fixture
+def tier_on_cpu(monkeypatch):
+    """CPU tensors go through the host tier, as CUDA tensors do on a GPU."""
+    monkeypatch.setattr(offloader_mod, "_TIER_DEVICES", ("cuda", "cpu"))
+
+
+def _gpt():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=256, seq=64, layers=3, hidden=64, heads=4, dropout=0.1))
+    tok = torch.randint(0, 256, (4, 64))
+    return model, (lambda: model(tok, tok))
+
+
+def _threads_seen(monkeypatch) -> dict[str, set]:
+    """The names of the threads that ran the tier's copies in and back, by direction."""
+    seen: dict[str, set] = {"in": set(), "out": set()}
+    real_in, real_out = tier.TieredBackend._copy_in, tier.TieredBackend._copy_out
+    monkeypatch.setattr(tier.TieredBackend, "_copy_in",
+                        lambda self, batch: (seen["in"].add(threading.current_thread().name), real_in(self, batch))[1])
+    monkeypatch.setattr(tier.TieredBackend, "_copy_out",
+                        lambda self, batch: (seen["out"].add(threading.current_thread().name), real_out(self, batch))[1])
+    return seen
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "threads"])
+@pytest.mark.parametrize("host_bytes", ["64MiB", "256KiB"])  # all in the tier; most spilled to the drive
+def test_copies_are_exact_and_made_where_asked(off_dir, tier_on_cpu, monkeypatch, host_bytes, inline):
+    seen = _threads_seen(monkeypatch)
+    model, loss_fn = _gpt()
+    base = step(model, loss_fn, None)
+    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, host_bytes=host_bytes)
+    if not inline:
+        off._tier.inline_copies(False)
+    try:
+        for i in range(3):
+            assert_same(base, step(model, loss_fn, off, wait=i % 2 == 0))
+        off.wait()
+        s = off.stats()
+    finally:
+        off.close()
+    assert s.host_copied_bytes > 0 and s.host_read_bytes > 0
+    assert s.host_tier_bytes == 0 and s.live_entries == 0  # every graph gone: nothing held
+    assert s.written_bytes == s.host_copied_bytes + sum(s.written_bytes_by_path.values())
+    here = threading.current_thread().name
+    if inline:  # the default: where they are handed over, never on the copy threads (a spill's drive
+        # write, done, may hand the next batch over from the drive's I/O thread)
+        assert here in seen["in"] and seen["out"] == {here}
+        assert not any(name.startswith(("ssdtrain-d2h", "ssdtrain-h2d")) for name in seen["in"])
+    else:  # the copy threads alone, one a direction
+        assert [n.split("_")[0] for n in seen["in"]] == ["ssdtrain-d2h"], seen
+        assert [n.split("_")[0] for n in seen["out"]] == ["ssdtrain-h2d"], seen
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "threads"])
+def test_a_batch_that_fails_fails_its_future_and_keeps_the_next(off_dir, tier_on_cpu, monkeypatch, inline):
+    """A failed batch fails its future (the writes' completion settles them as failed: kept in
+    memory, with ``on_error="keep"`` one warning), as on the copy thread; the batches after it are
+    made, and every step's gradients stay exact."""
+    model, loss_fn = _gpt()
+    base = step(model, loss_fn, None)
+    real_in, failed = tier.TieredBackend._copy_in, []
+
+    def copy_in(self, batch):
+        if not failed:
+            failed.append(len(batch))
+            raise OSError(5, "a copy that failed")
+        return real_in(self, batch)
+
+    monkeypatch.setattr(tier.TieredBackend, "_copy_in", copy_in)
+    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, host_bytes="64MiB", on_error="keep")
+    off._tier.inline_copies(inline)
+    try:
+        with pytest.warns(RuntimeWarning, match="a copy that failed"):
+            assert_same(base, step(model, loss_fn, off))
+        assert_same(base, step(model, loss_fn, off))
+        off.wait()
+        s = off.stats()
+    finally:
+        off.close()
+    assert failed and s.host_copied_bytes > 0 and s.failed_writes >= 1
