@@ -97,3 +97,31 @@ def test_a_batch_that_fails_fails_its_future_and_keeps_the_next(off_dir, tier_on
     finally:
         off.close()
     assert failed and s.host_copied_bytes > 0 and s.failed_writes >= 1
+
+
+def test_a_drain_cut_short_as_it_was_queued_is_undone(monkeypatch):
+    """Note [a batch's drain is started or undone]: a KeyboardInterrupt as the copy thread's drain
+    was being queued left every later batch waiting for ever; the next submission's drain now
+    makes the one left pending, then its own."""
+    from ssdtrain.store._pool import IOPool
+    made: list[list] = []
+    pool = IOPool(1, "test-drain")
+    batches = tier._Batches(pool, made.append)
+    batches.inline = False
+    real, cut = IOPool.submit, [True]
+
+    def submit(self, fn, *args):
+        if cut and self is pool:
+            cut.pop()
+            raise KeyboardInterrupt
+        return real(self, fn, *args)
+
+    monkeypatch.setattr(IOPool, "submit", submit)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            batches.submit(["first"])
+        second = batches.submit(["second"])
+        assert second.exception(timeout=10) is None
+        assert made == [["first", "second"]] or made == [["first"], ["second"]]
+    finally:
+        pool.shutdown()

@@ -469,11 +469,22 @@ class _Batches:
             self._pending.append((requests, fut))
             start, self._draining = not self._draining, True
         if start:
-            self.pool.submit(self._drain)
+            try:
+                self.pool.submit(self._drain)
+            except BaseException:  # Note [a batch's drain is started or undone]
+                with self._lock:
+                    self._draining = False
+                raise
         if device.modelled_gpu() is not None:
             fut.exception()  # waits for the batch, not for its copies on the device
         return fut
 
+    # Note [a batch's drain is started or undone]
+    # A KeyboardInterrupt as ``IOPool.submit`` began (the random-moment stress with the tier on its
+    # copy threads, 2026-11-30) left ``_draining`` set with no drain queued: that batch and every
+    # later one waited forever, and backward hung on a read. The flag is now cleared when the drain
+    # was not queued; the next submission's drain makes the batch left pending, whose hand-over the
+    # caller treats as interrupted (``WriteQueue._interrupted``; a read's entry never recorded it).
     def _drain(self) -> None:
         while True:
             with self._lock:
