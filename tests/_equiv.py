@@ -67,3 +67,18 @@ def check_equivalent(model, loss_fn, off_dir, *, steps: int = 2, inputs=(), expe
         off.close()
     assert list(off_dir.iterdir()) == [], "files left behind"
     return stats
+
+
+def exact_steps(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], off: ssdtrain.Offloader,
+                steps: int = 3) -> object:
+    """``steps`` steps through ``off`` (every other one waiting for its writes before backward),
+    each's loss and gradients equal to a step without it; then ``off`` is waited for, closed, and
+    its stats returned."""
+    base = step(model, loss_fn, None)
+    try:
+        for i in range(steps):
+            assert_same(base, step(model, loss_fn, off, wait=i % 2 == 0))
+        off.wait()
+        return off.stats()
+    finally:
+        off.close()

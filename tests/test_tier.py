@@ -17,7 +17,7 @@ from ssdtrain.config import OffloadConfig
 from ssdtrain.host.copy_clock import COPY_SHARE, DUE_MARGIN, HOST_STRETCH, PROBE_SHARE, CopyClock
 from ssdtrain.host.host_pool import HostPool, auto_host_bytes
 
-from _equiv import assert_same, step
+from _equiv import assert_same, exact_steps, step
 
 MiB = 1 << 20
 
@@ -280,15 +280,7 @@ def _gpt():
 @pytest.mark.parametrize("host_bytes", ["64MiB", "256KiB"])
 def test_tier_is_exact_and_the_drive_takes_what_it_cannot_hold(off_dir, tier_on_cpu, host_bytes):
     model, loss_fn = _gpt()
-    base = step(model, loss_fn, None)
-    off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, host_bytes=host_bytes)
-    try:
-        for i in range(3):
-            assert_same(base, step(model, loss_fn, off, wait=i % 2 == 0))
-        off.wait()
-        s = off.stats()
-    finally:
-        off.close()
+    s = exact_steps(model, loss_fn, ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, host_bytes=host_bytes))
     cap = ssdtrain.config.parse_bytes(host_bytes)
     assert s.host_copied_bytes > 0 and s.host_read_bytes > 0
     assert s.host_tier_peak_bytes <= s.host_tier_pinned_bytes <= cap

@@ -14,7 +14,7 @@ from ssdtrain.bench.models import GPT, GPTConfig
 from ssdtrain.engine import offloader as offloader_mod
 from ssdtrain.host import tier
 
-from _equiv import assert_same, step
+from _equiv import assert_same, exact_steps, step
 
 
 @pytest.fixture
@@ -46,17 +46,9 @@ def _threads_seen(monkeypatch) -> dict[str, set]:
 def test_copies_are_exact_and_made_where_asked(off_dir, tier_on_cpu, monkeypatch, host_bytes, inline):
     seen = _threads_seen(monkeypatch)
     model, loss_fn = _gpt()
-    base = step(model, loss_fn, None)
     off = ssdtrain.Offloader(model, path=str(off_dir), min_bytes=0, host_bytes=host_bytes)
-    if not inline:
-        off._tier.inline_copies(False)
-    try:
-        for i in range(3):
-            assert_same(base, step(model, loss_fn, off, wait=i % 2 == 0))
-        off.wait()
-        s = off.stats()
-    finally:
-        off.close()
+    off._tier.inline_copies(inline)
+    s = exact_steps(model, loss_fn, off)
     assert s.host_copied_bytes > 0 and s.host_read_bytes > 0
     assert s.host_tier_bytes == 0 and s.live_entries == 0  # every graph gone: nothing held
     assert s.written_bytes == s.host_copied_bytes + sum(s.written_bytes_by_path.values())

@@ -437,13 +437,11 @@ class _Batches:
     # training thread's whole step +20.5-21.2 against +21.2-22.3 although it now makes the
     # memmoves, pack 8.4-9.0 us against 8.3-8.6, no sleeps. The modelled H200 is unchanged (its
     # one host clock charges every copy's issue to the step either way). A failed batch fails its
-    # future, as on the copy thread; an interrupt goes to the caller, whose hand-over handles it
-    # (``WriteQueue._interrupted``). The copy threads stay for the copy-rate probe (the first batch
-    # waits for it: copies beside it would slow the copy engine it measures) and where copies go
-    # through torch (no CUDA runtime to call: ``Tensor.copy_`` holds the GIL for some 38 us a copy,
-    # dearer inline than on a thread): ``inline_copies(False)``. Whether a GPU host's training
-    # thread gains as this VM's does is the GPU queue's ``overhead`` stage (pack_cost's
-    # ``tier-threads``, gpu_overhead.py's ``--tier-threads``).
+    # future; an interrupt goes to the caller's hand-over (``WriteQueue._interrupted``). The copy
+    # threads stay for the rate probe (the first batch waits for it: copies beside it would slow the
+    # engine it measures) and for copies through torch (no CUDA runtime to call: ``Tensor.copy_``
+    # holds the GIL some 38 us a copy): ``inline_copies(False)``. Whether a GPU host gains as this
+    # VM does: the GPU queue's ``overhead`` stage (``tier-threads`` beside ``tier``).
 
     # Note [the modelled tier runs in a fixed order]
     # On the modelled GPU (Note [the seam answers for the modelled GPU] in ``device/cuda.py``) the
