@@ -18,6 +18,7 @@ from ssdtrain.store._pool import IOFuture
 from ssdtrain.store.posix import PosixBackend
 
 from _equiv import assert_same, step
+from test_tier import tier_on_cpu  # noqa: F401  (a fixture)
 
 
 def _model():
@@ -183,15 +184,14 @@ def _calls_then_interrupt(cut: int | None, fn) -> int:
 
 @pytest.mark.parametrize("tier", [False, True], ids=["drive", "tier"])
 @pytest.mark.parametrize("seed", range(int(os.environ.get("SSDTRAIN_INTERRUPT_SEEDS", "5"))))  # more: a stress run
-def test_interrupts_at_random_moments_of_training_leave_nothing_behind(off_dir, seed, tier, monkeypatch):
+def test_interrupts_at_random_moments_of_training_leave_nothing_behind(off_dir, seed, tier, monkeypatch, request):
     """The issue's stress, made reproducible: each step (forward, backward, wait) is interrupted
     as a random one of all the Python functions it runs begins, 12 steps in a row; then the next step is exact,
     and wait() and close() leave no entry, no resident or disk byte, no file. ``tier``: the host
     tier's logic on these CPU tensors (as tests/test_tier.py), its copies made on this thread
     (Note [copies are made where they are handed over]), where the interrupts land."""
     if tier:
-        from ssdtrain.engine import offloader as offloader_mod
-        monkeypatch.setattr(offloader_mod, "_TIER_DEVICES", ("cuda", "cpu"))
+        request.getfixturevalue("tier_on_cpu")
     # An interrupt that strikes as a __del__ begins (a dying Ref's; torch's StorageWeakRef's after
     # its __init__ was cut) is dropped by Python ("Exception ignored in"), and the object dies.
     # pytest's own hook would keep the exception, its frames and so the dying Ref alive.

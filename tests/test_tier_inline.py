@@ -7,27 +7,12 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
 
 import ssdtrain
-from ssdtrain.bench.models import GPT, GPTConfig
-from ssdtrain.engine import offloader as offloader_mod
 from ssdtrain.host import tier
 
 from _equiv import assert_same, exact_steps, step
-
-
-@pytest.fixture
-def tier_on_cpu(monkeypatch):
-    """CPU tensors go through the host tier, as CUDA tensors do on a GPU."""
-    monkeypatch.setattr(offloader_mod, "_TIER_DEVICES", ("cuda", "cpu"))
-
-
-def _gpt():
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab=256, seq=64, layers=3, hidden=64, heads=4, dropout=0.1))
-    tok = torch.randint(0, 256, (4, 64))
-    return model, (lambda: model(tok, tok))
+from test_tier import _gpt, tier_on_cpu  # noqa: F401  (a fixture)
 
 
 def _threads_seen(monkeypatch) -> dict[str, set]:

@@ -263,9 +263,7 @@ class TieredBackend(Backend):
     def _copy_in(self, batch: list[tuple]) -> None:
         """A batch of copies into the pool, queued together (Note [copies are queued a batch at a
         time]), a fence every ``FENCE_BYTES`` (Note [a copy is due when its fence is])."""
-        if self._probing is not None:  # Note [copies are made where they are handed over]
-            self._probing.exception()
-            self._probing = None
+        self._after_probe()
         bases, n = self.pool.bases, 0  # an extent's address: HostPool.address, without its call
         for part in _by_device(batch):
             if not device.is_cuda(part[0][1]):  # the tests' way through the tier: host to host, at once
@@ -305,11 +303,8 @@ class TieredBackend(Backend):
         return self._split(self._outs, requests, self.inner.submit_read)[0]
 
     def _copy_out(self, batch: list[tuple]) -> None:
-        """Copies back to the device, queued, not waited for: unpack makes the compute stream
-        wait for ``extent.back`` (``Reader.finish``)."""
-        if self._probing is not None:  # Note [copies are made where they are handed over]
-            self._probing.exception()
-            self._probing = None
+        """Copies back to the device, queued, not waited for: unpack makes the compute stream wait for ``extent.back``."""
+        self._after_probe()
         bases, n = self.pool.bases, 0  # an extent's address: HostPool.address, without its call
         for part in _by_device(batch):
             dsts = [dst for _, dst, _ in part]
@@ -349,6 +344,12 @@ class TieredBackend(Backend):
         """Copies made on the thread that hands them over (the default), or, ``on=False``, on the
         copy threads (Note [copies are made where they are handed over]); set before the first save."""
         self._ins.inline = self._outs.inline = on
+
+    def _after_probe(self) -> None:
+        """A batch's copies come after the rate probe (Note [copies are made where they are handed over])."""
+        if self._probing is not None:
+            self._probing.exception()
+            self._probing = None
 
     # -- bookkeeping --------------------------------------------------------------------------
     def fill(self, snap: Any) -> None:
@@ -478,11 +479,10 @@ class _Batches:
         return fut
 
     # Note [a batch's drain is started or undone]
-    # A KeyboardInterrupt as ``IOPool.submit`` began (the random-moment stress with the tier on its
-    # copy threads, 2026-11-30) left ``_draining`` set with no drain queued: that batch and every
-    # later one waited forever, and backward hung on a read. The flag is now cleared when the drain
-    # was not queued; the next submission's drain makes the batch left pending, whose hand-over the
-    # caller treats as interrupted (``WriteQueue._interrupted``; a read's entry never recorded it).
+    # A KeyboardInterrupt as ``IOPool.submit`` began (the interrupt stress on the copy threads,
+    # 2026-11-30) left ``_draining`` set, no drain queued: every later batch waited forever. The flag
+    # is cleared when the drain was not queued; the next drain makes the batch left pending, whose
+    # hand-over the caller treats as interrupted (``WriteQueue._interrupted``).
     def _drain(self) -> None:
         while True:
             with self._lock:
